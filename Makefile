@@ -1,0 +1,31 @@
+# The two front-door commands: `make test` and `make demo`. Both build .venv from scratch if needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --constraint constraints-cpu.txt
+
+.PHONY: test demo bench check-protocol clean
+
+$(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -e '.[test]'
+	touch $@
+
+$(VENV)/.installed-demo: $(VENV)/.installed-test
+	$(PIP) -e '.[test,demo]'
+	touch $@
+
+test: $(VENV)/.installed-demo
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.installed-demo
+	$(VENV)/bin/evenflow demo
+
+bench: $(VENV)/.installed-demo
+	$(PY) benchmarks/run_all.py
+
+check-protocol: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests/test_model_checker.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,20 @@
+"""Pure planning: what goes into a batch. numpy only; no torch.distributed, no I/O.
+
+- grouping.py  -- split a buffer into groups under token/sample/resource budgets (padded or summed cost)
+- alignment.py -- the DGAP round: every rank evaluates the same rule on the same gathered metadata
+- loss.py      -- supervised-token counts and loss scales that make DDP + accumulation exact
+- simulate.py  -- the protocol for W ranks in one process (model checker, simulator, benchmarks)
+"""
+
+from .alignment import (AlignmentConfig, Item, RankPlanner, RankReport, RoundDecision, config_fingerprint,
+                        decide_round, wait_bound)
+from .grouping import GroupingConfig, GroupingResult, group_costs, plan, plan_groups
+from .loss import LossTokenRule, count_loss_tokens, loss_scale, step_loss_scales, window_totals
+from .simulate import EpochTrace, SampleMeta, make_planners, run_epoch
+
+__all__ = [
+    "AlignmentConfig", "Item", "RankPlanner", "RankReport", "RoundDecision", "config_fingerprint", "decide_round",
+    "wait_bound", "GroupingConfig", "GroupingResult", "group_costs", "plan", "plan_groups", "LossTokenRule",
+    "count_loss_tokens", "loss_scale", "step_loss_scales", "window_totals", "EpochTrace", "SampleMeta",
+    "make_planners", "run_epoch",
+]

@@ -1,0 +1,330 @@
+"""Alignment planner for the Distributed Group Alignment Problem (DGAP). Pure: no torch, no I/O.
+
+Every rank runs the same round, in lockstep:
+
+1. fill its buffer from its own stream until it holds ``buffer_size`` samples or the stream is exhausted;
+2. plan local groups (:mod:`evenflow.planning.grouping`) and publish a :class:`RankReport`;
+3. all ranks gather the reports and evaluate :func:`decide_round` -- the same pure function on the same
+   data, so they agree on the round's target ``T`` without talking again;
+4. each rank applies the decision with :meth:`RankPlanner.apply`: it emits exactly ``T`` slots (groups or
+   IDLE) and keeps the rest of its buffer for the next round.
+
+NOTE [ The alignment rule ]
+    T = max(1, min(max_r G_r, max_steps_per_round, min_{r active} N_r)), "active" = the rank holds at least
+    one buffered sample (N_r > 0). Ranks with fewer groups than T split their costliest groups in halves;
+    ranks with more keep T and recycle the rest; a rank with N_r = 0 emits T IDLE slots (join mode only).
+    T <= N_r on every active rank, so splitting always finds a group of >= 2 samples and no active rank
+    ever emits IDLE. Example, budget 8, T cap 4:
+
+        rank 0 buffer [4, 4, 4, 4, 2, 2]  -> groups [[4,4], [4,4], [2,2]]   G=3, N=6
+        rank 1 buffer [8, 1]              -> groups [[8], [1]]               G=2, N=2
+        T = max(1, min(3, 4, 2)) = 2
+        rank 0 keeps its 2 best groups, recycles the third; rank 1 emits both.
+
+    Unlike the original protocol, no timing enters the decision: a round starts only with a full buffer or
+    an exhausted stream, back-pressure (the trainer being behind) is a wait *before* the round, and T is
+    capped by a constant instead of free queue slots. Batches are a function of seed, configuration, world
+    size and data only.
+
+NOTE [ Bounded waiting ]
+    A sample is *old* once it has waited ``max_wait_rounds`` emitting rounds. Kept groups are chosen old
+    first, oldest sample first; then by real tokens (fullest first). Every emitting round keeps at least one
+    group of every active rank, so while a rank holds an old sample, its oldest sample leaves each round. A
+    sample x becomes old after A = max_wait_rounds rounds; at most B - 1 samples (B = buffer_size) are older
+    than x and in the buffer, each round removes the oldest, so x is emitted within A + B - 1 rounds of
+    arriving (:func:`wait_bound`). Long samples cannot pile up into a sorted tail.
+
+NOTE [ Termination ]
+    Join mode ends the epoch when every rank reports an exhausted stream and an empty buffer; quota mode
+    ends it when the first rank does, and the others keep what they hold for the next epoch. Each emitting
+    round removes at least T >= 1 samples from every active rank, so an epoch of n samples on a rank ends
+    within n emitting rounds plus the final (empty) round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from .grouping import GroupingConfig, padded_length, plan
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AlignmentConfig",
+    "RankReport",
+    "RoundDecision",
+    "Item",
+    "Slot",
+    "RankPlanner",
+    "decide_round",
+    "config_fingerprint",
+    "wait_bound",
+    "REPORT_WIDTH",
+    "SLOT_WIDTH",
+]
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlignmentConfig:
+    """How ranks agree on each round. Batches never depend on timing."""
+
+    join: bool = True
+    """``True``: every sample of the epoch is emitted exactly once; ranks that run dry emit IDLE slots.
+    ``False`` (quota): the epoch closes when the first rank runs dry; the rest is carried forward."""
+    max_steps_per_round: int = 4
+    """Cap on T, the steps one round emits. Larger rounds amortize the exchange but hold more batches."""
+    max_wait_rounds: int = 8
+    """Rounds after which a buffered sample is *old* and is emitted first (NOTE [ Bounded waiting ])."""
+    buffer_size: int = 1024
+    """Samples a rank buffers before a round: more samples give tighter groups, at host-memory cost."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps_per_round", "max_wait_rounds", "buffer_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def wait_bound(config: AlignmentConfig) -> int:
+    """Most emitting rounds a sample can spend in a buffer (NOTE [ Bounded waiting ])."""
+    return config.max_wait_rounds + config.buffer_size - 1
+
+
+def config_fingerprint(*parts: object) -> int:
+    """A 62-bit integer naming a configuration; equal on every rank iff the parts are equal.
+
+    Uses blake2b of the ``repr`` (Python's ``hash`` is salted per process, so it cannot be compared across
+    ranks).
+    """
+    text = repr((PROTOCOL_VERSION,) + tuple(_canonical(p) for p in parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _canonical(obj: object) -> object:
+    if hasattr(obj, "__dataclass_fields__"):
+        return (type(obj).__name__,) + tuple((f.name, _canonical(getattr(obj, f.name))) for f in fields(obj))
+    if isinstance(obj, Mapping):
+        return tuple(sorted((str(k), _canonical(v)) for k, v in obj.items()))
+    return obj
+
+
+REPORT_WIDTH = 7
+"""int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank publishes in the first exchange of a round."""
+
+    fingerprint: int
+    num_groups: int
+    num_samples: int
+    exhausted: bool
+    """The rank's stream will deliver no more samples this epoch."""
+    unread: int
+    """Samples still in the rank's stream (not yet buffered), or -1 when unknown (iterable datasets)."""
+    stop: bool = False
+    error: bool = False
+
+    def to_array(self) -> np.ndarray:
+        return np.array([self.fingerprint, self.num_groups, self.num_samples, int(self.exhausted), self.unread,
+                         int(self.stop), int(self.error)], dtype=np.int64)
+
+    @classmethod
+    def from_array(cls, row: Sequence[int]) -> RankReport:
+        f, g, n, ex, unread, stop, err = (int(v) for v in row)
+        return cls(f, g, n, bool(ex), unread, bool(stop), bool(err))
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """The outcome of one round, identical on every rank."""
+
+    target: int
+    """T: slots every rank emits this round (0 when the round ends the epoch or the run)."""
+    epoch_done: bool
+    stop: bool
+    """Some rank asked to stop (``close()`` or a break): every rank leaves the loop after this round."""
+    error_ranks: tuple[int, ...]
+    """Ranks that reported an error: every rank raises after this round."""
+    steps_bound: int
+    """Upper bound on the steps left in the epoch *including* this round's ``target`` (-1 if unknown)."""
+
+
+def decide_round(reports: Sequence[RankReport], config: AlignmentConfig) -> RoundDecision:
+    """Evaluate NOTE [ The alignment rule ] on the gathered reports. Deterministic and pure.
+
+    >>> r = lambda g, n, ex=False: RankReport(7, g, n, ex, 0)
+    >>> decide_round([r(3, 6), r(2, 2)], AlignmentConfig()).target
+    2
+    >>> decide_round([r(0, 0, True), r(5, 40)], AlignmentConfig()).target  # rank 0 emits 4 IDLE slots
+    4
+    >>> decide_round([r(0, 0, True), r(5, 40)], AlignmentConfig(join=False)).epoch_done
+    True
+    """
+    if not reports:
+        raise ValueError("decide_round needs one report per rank, got none")
+    fps = {r.fingerprint for r in reports}
+    if len(fps) != 1:
+        by_fp = {fp: [i for i, r in enumerate(reports) if r.fingerprint == fp] for fp in sorted(fps)}
+        raise ValueError(f"ranks disagree on the loader configuration (fingerprint -> ranks: {by_fp}); every rank "
+                         "must build its loader with the same seed, budgets, buffer_size, join and world size")
+    for i, r in enumerate(reports):
+        if r.num_samples < 0 or r.num_groups < 0 or r.num_groups > r.num_samples or (r.num_samples and not r.num_groups):
+            raise ValueError(f"rank {i} sent inconsistent metadata: {r.num_groups} groups for {r.num_samples} "
+                             "samples; ranks may be running different evenflow versions")
+    error_ranks = tuple(i for i, r in enumerate(reports) if r.error)
+    stop = any(r.stop for r in reports)
+    dry = [r.exhausted and r.num_samples == 0 for r in reports]
+    epoch_done = all(dry) if config.join else any(dry)
+    unknown = any(r.unread < 0 for r in reports)
+    if error_ranks or stop or epoch_done:
+        return RoundDecision(0, epoch_done, stop, error_ranks, 0 if epoch_done else -1)
+    active = [r.num_samples for r in reports if r.num_samples > 0]
+    target = max(1, min(max(r.num_groups for r in reports), config.max_steps_per_round, min(active)))
+    # Every step has >= 1 sample from each active rank, so no rank holds more steps than samples.
+    bound = -1 if unknown else max(r.num_samples + r.unread for r in reports)
+    return RoundDecision(target, False, False, (), bound)
+
+
+@dataclass
+class Item:
+    """One buffered sample, as the planner sees it (metadata only; the runtime keeps the payload)."""
+
+    key: object
+    """Dataset index, stream position, or any hashable id -- reported back in the emitted slots."""
+    length: int
+    loss_tokens: int = 0
+    extra: Mapping[str, int] = field(default_factory=dict)
+    seq: int = -1
+    """Arrival order on this rank (set by :meth:`RankPlanner.add`): lower is older."""
+    arrived: int = -1
+    """Emitting round at which the sample entered the buffer."""
+
+
+Slot = list  # list[Item]; an empty list is an IDLE slot.
+
+SLOT_WIDTH = 4
+"""int64 fields per slot in the second exchange: samples, loss tokens, padded tokens, real tokens."""
+
+
+class RankPlanner:
+    """The per-rank half of the protocol: a buffer of :class:`Item` and the round logic over it.
+
+    The runtime, the model checker and the simulator all drive this same class.
+    """
+
+    def __init__(self, grouping: GroupingConfig, alignment: AlignmentConfig, *, seed: int = 0) -> None:
+        self.grouping = grouping
+        self.alignment = alignment
+        self.seed = seed
+        self.buffer: list[Item] = []
+        self.rounds = 0
+        """Emitting rounds so far (the ageing clock; also seeds the in-round emission order)."""
+        self._next_seq = 0
+        self.dropped: list[object] = []
+        """Keys removed under ``oversize="drop"``."""
+        self.alone: list[object] = []
+        """Keys that got their own over-budget group under ``oversize="alone"``."""
+
+    # -- buffer --------------------------------------------------------------------------------------------
+    def add(self, key: object, length: int, *, loss_tokens: int = 0,
+            extra: Mapping[str, int] | None = None) -> bool:
+        """Buffer one sample. Returns False if it was dropped (``oversize="drop"``); raises under ``"error"``."""
+        extra = dict(extra or {})
+        result = plan([length], self.grouping, extra={k: [v] for k, v in extra.items()}, labels=[key])
+        if result.dropped:
+            self.dropped.append(key)
+            return False
+        if result.alone:
+            self.alone.append(key)
+        self.buffer.append(Item(key, int(length), int(loss_tokens), extra, self._next_seq, self.rounds))
+        self._next_seq += 1
+        return True
+
+    @property
+    def full(self) -> bool:
+        return len(self.buffer) >= self.alignment.buffer_size
+
+    # -- round ---------------------------------------------------------------------------------------------
+    def plan_local(self) -> list[list[int]]:
+        """Groups over the current buffer, as positions into ``self.buffer``."""
+        if not self.buffer:
+            return []
+        extra = {name: [it.extra.get(name, 0) for it in self.buffer] for name in self.grouping.extra_budgets}
+        return plan([it.length for it in self.buffer], self.grouping, extra=extra).groups
+
+    def report(self, fingerprint: int, *, exhausted: bool, unread: int, stop: bool = False,
+               error: bool = False, groups: list[list[int]] | None = None) -> RankReport:
+        groups = self.plan_local() if groups is None else groups
+        return RankReport(fingerprint, len(groups), len(self.buffer), exhausted, unread, stop, error)
+
+    def apply(self, decision: RoundDecision, groups: list[list[int]] | None = None) -> list[Slot]:
+        """Emit ``decision.target`` slots and keep the rest buffered. ``groups`` is what :meth:`report` used."""
+        target = decision.target
+        if target == 0:
+            return []
+        if not self.buffer:
+            self.rounds += 1
+            return [[] for _ in range(target)]
+        groups = self.plan_local() if groups is None else [list(g) for g in groups]
+        if len(groups) > target:
+            groups = self._select(groups, target)
+        while len(groups) < target:
+            groups = self._split_costliest(groups)
+        chosen = {i for g in groups for i in g}
+        slots = [[self.buffer[i] for i in g] for g in groups]
+        self.buffer = [it for i, it in enumerate(self.buffer) if i not in chosen]
+        slots = self._emission_order(slots)
+        self.rounds += 1
+        return slots
+
+    def _cost(self, items: Sequence[Item]) -> int:
+        lengths = np.array([it.length for it in items], dtype=np.int64)
+        lengths = padded_length(lengths, self.grouping.pad_to_multiple_of)
+        if self.grouping.cost == "padded":
+            return int(len(lengths) * lengths.max())
+        return int(lengths.sum())
+
+    def _select(self, groups: list[list[int]], target: int) -> list[list[int]]:
+        old_age = self.alignment.max_wait_rounds
+
+        def key(g: list[int]) -> tuple:
+            oldest = min(self.buffer[i].seq for i in g)
+            is_old = any(self.rounds - self.buffer[i].arrived >= old_age for i in g)
+            real = sum(self.buffer[i].length for i in g)
+            return (0, oldest, 0) if is_old else (1, -real, oldest)
+
+        return sorted(groups, key=key)[:target]
+
+    def _split_costliest(self, groups: list[list[int]]) -> list[list[int]]:
+        # Halve (not peel) the costliest splittable group: contiguous halves of its length-sorted members.
+        candidates = [k for k, g in enumerate(groups) if len(g) >= 2]
+        if not candidates:  # pragma: no cover - guarded by T <= N_r (NOTE [ The alignment rule ])
+            raise AssertionError("alignment asked for more groups than buffered samples")
+        costs = [(self._cost([self.buffer[i] for i in groups[k]]), -k) for k in candidates]
+        k = candidates[costs.index(max(costs))]
+        members = sorted(groups[k], key=lambda i: (self.buffer[i].length, self.buffer[i].seq))
+        half = len(members) // 2
+        return groups[:k] + [members[half:], members[:half]] + groups[k + 1:]
+
+    def _emission_order(self, slots: list[Slot]) -> list[Slot]:
+        # Costliest first on every rank, so step k of a round pairs groups of similar cost across ranks; then
+        # one permutation shared by all ranks (seeded by seed and round), so lengths still mix across steps.
+        slots.sort(key=lambda s: (-self._cost(s), min(it.seq for it in s)))
+        perm = np.random.default_rng([self.seed, self.rounds, len(slots)]).permutation(len(slots))
+        return [slots[int(p)] for p in perm]
+
+    def slot_counts(self, slots: Sequence[Slot], width: int) -> np.ndarray:
+        """The second exchange's payload: ``[width, SLOT_WIDTH]`` int64, zero rows past ``len(slots)``."""
+        out = np.zeros((width, SLOT_WIDTH), dtype=np.int64)
+        for s, items in enumerate(slots):
+            if items:
+                out[s] = (len(items), sum(it.loss_tokens for it in items), self._cost(items),
+                          sum(it.length for it in items))
+        return out
