@@ -2,9 +2,12 @@
 
 from .planning import (AlignmentConfig, GroupingConfig, LossTokenRule, count_loss_tokens, decide_round, loss_scale,
                        plan_groups)
+from .runtime import (STEP_INFO_KEY, DynamicBatchLoader, FlatCollate, LoaderConfig, PadCollate, StepInfo,
+                      pop_step_info, scale_loss)
 
 __all__ = [
     "AlignmentConfig", "GroupingConfig", "LossTokenRule", "count_loss_tokens", "decide_round", "loss_scale",
-    "plan_groups",
+    "plan_groups", "DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate", "STEP_INFO_KEY",
+    "StepInfo", "pop_step_info", "scale_loss",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,120 @@
+"""Default collate functions: right-padded rows, or one flattened row for padding-free attention."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.loss import IGNORE_INDEX
+
+__all__ = ["PadCollate", "FlatCollate"]
+
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def _as_long(x) -> torch.Tensor:
+    return x.to(torch.long) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.long)
+
+
+def _passthrough(samples: Sequence[Mapping], keys: Sequence[str]) -> dict:
+    # Other keys: stack tensors of equal shape, concatenate along dim 0 when only dim 0 differs (e.g. image
+    # patches), otherwise hand over a list.
+    out = {}
+    for key in keys:
+        values = [s[key] for s in samples]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            shapes = {tuple(v.shape) for v in values}
+            if len(shapes) == 1:
+                out[key] = torch.stack(values)
+                continue
+            if all(v.dim() >= 1 for v in values) and len({tuple(v.shape[1:]) for v in values}) == 1:
+                out[key] = torch.cat(values)
+                continue
+        out[key] = values
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PadCollate:
+    """Right-pad ``input_ids`` / ``labels`` / ``attention_mask`` into ``[batch, max_len]`` tensors.
+
+    ``max_len`` is rounded up to ``pad_to_multiple_of`` -- the same shape the planner costs. Labels pad with
+    -100 so padding never counts as a supervised token. Two samples of lengths 3 and 1:
+
+        input_ids      [[a, b, c], [d, 0, 0]]
+        attention_mask [[1, 1, 1], [1, 0, 0]]
+    """
+
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, samples: Sequence[Mapping]) -> dict:
+        ids = [_as_long(s["input_ids"]).reshape(-1) for s in samples]
+        width = max(len(x) for x in ids)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, x in enumerate(ids):
+            input_ids[row, :len(x)] = x
+            attention[row, :len(x)] = 1
+        out = {"input_ids": input_ids, "attention_mask": attention}
+        if any("labels" in s for s in samples):
+            labels = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
+            for row, s in enumerate(samples):
+                lab = _as_long(s["labels"] if "labels" in s else s["input_ids"]).reshape(-1)
+                labels[row, :len(lab)] = lab
+            out["labels"] = labels
+        out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlatCollate:
+    """Concatenate samples into one ``[1, total]`` row for varlen (padding-free) attention.
+
+    Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per sequence), ``cu_seqlens``
+    (int32 cumulative lengths) and ``max_seqlen`` -- the layout HF models accept for flash/varlen attention.
+    The first label of every sequence is -100, so the last token of one sequence never learns to predict the
+    first token of the next. Lengths 3 and 2:
+
+        input_ids    [[a, b, c, d, e]]
+        position_ids [[0, 1, 2, 0, 1]]
+        cu_seqlens   [0, 3, 5]
+    """
+
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, samples: Sequence[Mapping]) -> dict:
+        ids = [_as_long(s["input_ids"]).reshape(-1) for s in samples]
+        labels = []
+        for s, x in zip(samples, ids):
+            lab = _as_long(s["labels"]).reshape(-1).clone() if "labels" in s else x.clone()
+            lab[0] = IGNORE_INDEX
+            labels.append(lab)
+        lengths = [len(x) for x in ids]
+        positions = [torch.arange(n, dtype=torch.long) for n in lengths]
+        total = sum(lengths)
+        pad = 0
+        if self.pad_to_multiple_of:
+            pad = -(-total // self.pad_to_multiple_of) * self.pad_to_multiple_of - total
+        if pad:
+            # Padding is one extra "sequence" the loss ignores; cu_seqlens covers it so kernels stay in bounds.
+            ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.long))
+            labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
+            positions.append(torch.arange(pad, dtype=torch.long))
+            lengths.append(pad)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+        out = {
+            "input_ids": torch.cat(ids)[None],
+            "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat(positions)[None],
+            "cu_seqlens": cu,
+            "max_seqlen": max(lengths),
+        }
+        out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
+        return out

@@ -1,0 +1,76 @@
+"""Run a function on W real gloo processes: file:// rendezvous (no ports), polled with a timeout.
+
+The child runs ``fn(rank, world_size, *args)`` and its return value comes back pickled; an exception comes
+back as its formatted traceback. Survivors are killed when the deadline passes, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+def _child(fn, rank: int, world: int, tmp: str, args: tuple, pg_timeout_s: float) -> None:
+    out = os.path.join(tmp, f"result-{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(out + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(out + ".tmp", out)
+    os._exit(0)  # skip interpreter teardown: nothing left to flush, and it avoids rare gloo teardown aborts
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 120.0, start_method: str = "spawn",
+              pg_timeout_s: float = 60.0, allow_errors: bool = False) -> list:
+    """Results per rank. With ``allow_errors`` a failed rank's entry is a :class:`RankFailed` instead of raising."""
+    ctx = mp.get_context(start_method)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, tmp, args, pg_timeout_s), daemon=False)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                for p in procs:
+                    p.join(5)
+                raise TimeoutError(f"process world of {world_size} did not finish within {timeout:.0f} s")
+            time.sleep(0.05)
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"result-{r}.pkl")
+            if not os.path.exists(path):
+                results.append(RankFailed(r, f"exited with code {p.exitcode} and no result"))
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            results.append(value if status == "ok" else RankFailed(r, value))
+    if not allow_errors:
+        for res in results:
+            if isinstance(res, RankFailed):
+                raise res
+    return results
