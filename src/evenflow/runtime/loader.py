@@ -84,10 +84,10 @@ class DynamicBatchLoader:
 
     def __init__(self, dataset: Dataset, *, token_budget: int, collate_fn: Callable | None = None,
                  num_workers: int = 0, join: bool = True, seed: int = 0, shuffle: bool = True,
-                 buffer_size: int = 1024, depth: int = 4, cost: CostModel = "padded",
+                 buffer_size: int = 4096, depth: int = 4, cost: CostModel = "padded",
                  max_samples: int | None = None, extra_budgets: Mapping[str, int] | None = None,
                  oversize: OversizePolicy = "error", pad_to_multiple_of: int | None = None,
-                 max_steps_per_round: int = 4, max_wait_rounds: int = 8, grad_accum_steps: int = 1,
+                 max_steps_per_round: int = 8, max_wait_rounds: int = 16, grad_accum_steps: int = 1,
                  length_fn: Callable | None = None, resources_fn: Callable | None = None,
                  loss_tokens: LossTokenRule | None = None, pad_token_id: int = 0,
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory: bool = False,
