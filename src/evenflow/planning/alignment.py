@@ -44,12 +44,14 @@ NOTE [ Termination ]
 from __future__ import annotations
 
 import hashlib
+import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .grouping import GroupingConfig, padded_length, plan
+from .grouping import GroupingConfig, check_oversize, padded_length, plan
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -68,6 +70,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
+logger = logging.getLogger("evenflow")
+
 
 @dataclass(frozen=True, kw_only=True)
 class AlignmentConfig:
@@ -85,10 +89,17 @@ class AlignmentConfig:
     """Samples a rank buffers before a round: more samples give tighter groups, at host-memory cost.
     Measured on chat lengths with CV 2 (4 ranks, budget 16,384): 1,024 -> padded efficiency 0.93 and 1.09x
     the offline oracle's steps; 4,096 -> 0.98 and 1.03x (benchmarks/bench_loader.py)."""
+    warmup_samples: int | None = 256
+    """Round r of an epoch fills only ``min(buffer_size, warmup_samples * (r + 1))`` samples (256, 512, 768, ...),
+    so the first batch does not wait for a whole buffer of samples to be processed, and the workers run at most
+    ``warmup_samples`` per round ahead of what training consumes while the buffer grows. A function of the
+    round index only, never of timing. ``None``: every round waits for a full buffer."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps_per_round", "max_wait_rounds", "buffer_size"):
+        for name in ("max_steps_per_round", "max_wait_rounds", "buffer_size", "warmup_samples"):
             value = getattr(self, name)
+            if value is None and name == "warmup_samples":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
@@ -140,7 +151,7 @@ class RankReport:
 
     @classmethod
     def from_array(cls, row: Sequence[int]) -> RankReport:
-        f, g, n, ex, unread, stop, err = (int(v) for v in row)
+        f, g, n, ex, unread, stop, err = np.asarray(row, dtype=np.int64).tolist()  # plain ints, fast
         return cls(f, g, n, bool(ex), unread, bool(stop), bool(err))
 
 
@@ -232,6 +243,10 @@ class RankPlanner:
         self.alignment = alignment
         self.seed = seed
         self.buffer: list[Item] = []
+        # Columns of the buffer, kept in step with it: rounds read them as arrays (thousands of samples).
+        self._lengths: list[int] = []
+        self._seqs: list[int] = []
+        self._arrivals: list[int] = []
         self.rounds = 0
         """Emitting rounds so far (the ageing clock; also seeds the in-round emission order)."""
         self._next_seq = 0
@@ -245,19 +260,34 @@ class RankPlanner:
             extra: Mapping[str, int] | None = None) -> bool:
         """Buffer one sample. Returns False if it was dropped (``oversize="drop"``); raises under ``"error"``."""
         extra = dict(extra or {})
-        result = plan([length], self.grouping, extra={k: [v] for k, v in extra.items()}, labels=[key])
-        if result.dropped:
-            self.dropped.append(key)
-            return False
-        if result.alone:
+        message = check_oversize(length, extra, self.grouping, key)
+        if message is not None:
+            if self.grouping.oversize == "error":
+                raise ValueError(message)
+            if self.grouping.oversize == "drop":
+                self.dropped.append(key)
+                logger.warning("evenflow dropped an over-budget sample (oversize='drop'): %s", message)
+                warnings.warn(f"evenflow dropped an over-budget sample (oversize='drop'): {message}", stacklevel=2)
+                return False
             self.alone.append(key)
         self.buffer.append(Item(key, int(length), int(loss_tokens), extra, self._next_seq, self.rounds))
+        self._lengths.append(int(length))
+        self._seqs.append(self._next_seq)
+        self._arrivals.append(self.rounds)
         self._next_seq += 1
         return True
 
     @property
     def full(self) -> bool:
-        return len(self.buffer) >= self.alignment.buffer_size
+        """The buffer holds enough samples to enter the next round (see ``warmup_samples``)."""
+        return len(self.buffer) >= self.fill_target
+
+    @property
+    def fill_target(self) -> int:
+        size, warmup = self.alignment.buffer_size, self.alignment.warmup_samples
+        if warmup is None:
+            return size
+        return min(size, warmup * (self.rounds + 1))
 
     # -- round ---------------------------------------------------------------------------------------------
     def plan_local(self) -> list[list[int]]:
@@ -265,7 +295,7 @@ class RankPlanner:
         if not self.buffer:
             return []
         extra = {name: [it.extra.get(name, 0) for it in self.buffer] for name in self.grouping.extra_budgets}
-        return plan([it.length for it in self.buffer], self.grouping, extra=extra).groups
+        return plan(np.array(self._lengths, dtype=np.int64), self.grouping, extra=extra).groups
 
     def report(self, fingerprint: int, *, exhausted: bool, unread: int, stop: bool = False,
                error: bool = False, groups: list[list[int]] | None = None) -> RankReport:
@@ -287,7 +317,11 @@ class RankPlanner:
             groups = self._split_costliest(groups)
         chosen = {i for g in groups for i in g}
         slots = [[self.buffer[i] for i in g] for g in groups]
-        self.buffer = [it for i, it in enumerate(self.buffer) if i not in chosen]
+        keep = [i for i in range(len(self.buffer)) if i not in chosen]
+        self.buffer = [self.buffer[i] for i in keep]
+        self._lengths = [self._lengths[i] for i in keep]
+        self._seqs = [self._seqs[i] for i in keep]
+        self._arrivals = [self._arrivals[i] for i in keep]
         slots = self._emission_order(slots)
         self.rounds += 1
         return slots
@@ -300,15 +334,19 @@ class RankPlanner:
         return int(lengths.sum())
 
     def _select(self, groups: list[list[int]], target: int) -> list[list[int]]:
-        old_age = self.alignment.max_wait_rounds
-
-        def key(g: list[int]) -> tuple:
-            oldest = min(self.buffer[i].seq for i in g)
-            is_old = any(self.rounds - self.buffer[i].arrived >= old_age for i in g)
-            real = sum(self.buffer[i].length for i in g)
-            return (0, oldest, 0) if is_old else (1, -real, oldest)
-
-        return sorted(groups, key=key)[:target]
+        # Vectorized over the buffer (this runs every round on thousands of samples). Sort key per group:
+        # old groups first, by their oldest sample; then the rest by real tokens (fullest first), then age.
+        seq = np.array(self._seqs, dtype=np.int64)
+        old = self.rounds - np.array(self._arrivals, dtype=np.int64) >= self.alignment.max_wait_rounds
+        length = np.array(self._lengths, dtype=np.int64)
+        flat = np.fromiter((i for g in groups for i in g), np.int64)
+        starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+        oldest = np.minimum.reduceat(seq[flat], starts)
+        is_old = np.maximum.reduceat(old[flat], starts)
+        real = np.add.reduceat(length[flat], starts)
+        # np.lexsort sorts by the last key first: (not old, oldest-if-old, -real-if-not-old, oldest).
+        order = np.lexsort((oldest, np.where(is_old, 0, -real), np.where(is_old, oldest, 0), ~is_old))
+        return [groups[int(k)] for k in order[:target]]
 
     def _split_costliest(self, groups: list[list[int]]) -> list[list[int]]:
         # Halve (not peel) the costliest splittable group: contiguous halves of its length-sorted members.

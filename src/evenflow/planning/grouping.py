@@ -66,7 +66,8 @@ class GroupingConfig:
                              "number of tokens one batch may hold")
         if self.cost not in ("padded", "summed"):
             raise ValueError(f"cost must be 'padded' or 'summed', got {self.cost!r}")
-        if self.max_samples is not None and (not isinstance(self.max_samples, (int, np.integer))
+        if self.max_samples is not None and (isinstance(self.max_samples, bool)
+                                             or not isinstance(self.max_samples, (int, np.integer))
                                              or self.max_samples <= 0):
             raise ValueError(f"max_samples must be a positive integer or None, got {self.max_samples!r}")
         if self.oversize not in ("error", "alone", "drop"):
@@ -122,9 +123,11 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.floor(arr)):
             arr = arr.astype(np.int64)
         else:
-            bad = next(i for i, v in enumerate(arr.tolist())
-                       if not (isinstance(v, (int, float)) and float(v).is_integer()))
-            raise ValueError(f"sample {bad}: length {arr[bad]!r} is not an integer; lengths are token "
+            # bool is an int subclass but never a token count; default 0 covers an all-bool array.
+            values = arr.tolist()
+            bad = next((i for i, v in enumerate(values) if isinstance(v, bool)
+                        or not (isinstance(v, (int, float)) and float(v).is_integer())), 0)
+            raise ValueError(f"sample {bad}: length {values[bad]!r} is not an integer; lengths are token "
                              "counts -- return an int from length_fn")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() <= 0:
@@ -180,6 +183,7 @@ def _plan_padded(lengths: np.ndarray, idx: np.ndarray, extra: dict[str, np.ndarr
     order = idx[np.argsort(lengths[idx], kind="stable")]
     sorted_pad = padded_length(lengths[order], config.pad_to_multiple_of)
     prefix = {name: np.concatenate(([0], np.cumsum(extra[name][order]))) for name in config.extra_budgets}
+    caps = list(config.extra_budgets.items())
     groups: list[list[int]] = []
     top = len(order)  # exclusive end of the unplanned prefix
     while top > 0:
@@ -187,7 +191,7 @@ def _plan_padded(lengths: np.ndarray, idx: np.ndarray, extra: dict[str, np.ndarr
         take = min(top, config.token_budget // longest)
         if config.max_samples is not None:
             take = min(take, config.max_samples)
-        for name, cap in config.extra_budgets.items():
+        for name, cap in caps:
             # Largest k with prefix[top] - prefix[top - k] <= cap.
             start = int(np.searchsorted(prefix[name], prefix[name][top] - cap, side="left"))
             take = min(take, top - start)
@@ -208,30 +212,77 @@ def _plan_summed(lengths: np.ndarray, idx: np.ndarray, extra: dict[str, np.ndarr
         lower_bound = -(-int(lengths[idx].sum()) // cap) if len(idx) else 0
         if len(groups) <= lower_bound:
             return groups
-        ffd = _first_fit_decreasing(lengths, order, extra, config, cap)
-        return ffd if len(ffd) < len(groups) else groups
+        ffd = _first_fit_decreasing_tokens(lengths, order, cap, beat=len(groups))
+        return ffd if ffd is not None else groups
     return _first_fit_decreasing(lengths, order, extra, config, cap)
 
 
 def _best_fit_decreasing(lengths: np.ndarray, order: np.ndarray, cap: int) -> list[list[int]]:
-    # `free` is sorted ascending as (remaining capacity, group id): bisect finds the tightest group that fits.
-    free: list[tuple[int, int]] = []
+    # `free` is sorted ascending and holds `remaining capacity * _KEY + group id` as one int (cheaper to
+    # bisect than tuples): bisecting for `size * _KEY` finds the tightest group that still fits.
+    free: list[int] = []
     groups: list[list[int]] = []
-    for i in order.tolist():
-        size = int(lengths[i])
-        pos = bisect.bisect_left(free, (size, -1))
+    for i, size in zip(order.tolist(), lengths[order].tolist()):
+        pos = bisect.bisect_left(free, size * _KEY)
         if pos == len(free):
+            g, rest = len(groups), cap - size
             groups.append([i])
-            rest = cap - size
         else:
-            rest, g = free.pop(pos)
-            groups[g].append(i)
+            rest, g = divmod(free.pop(pos), _KEY)
             rest -= size
-            if rest > 0:
-                bisect.insort(free, (rest, g))
-            continue
+            groups[g].append(i)
         if rest > 0:
-            bisect.insort(free, (rest, len(groups) - 1))
+            bisect.insort(free, rest * _KEY + g)
+    return groups
+
+
+_KEY = 1 << 32
+"""Multiplier packing (remaining capacity, group id) into one sortable int; group ids stay below it."""
+
+
+def _first_fit_decreasing_tokens(lengths: np.ndarray, order: np.ndarray, cap: int,
+                                 beat: int) -> list[list[int]] | None:
+    """First-fit-decreasing under the token cap alone, or None once it provably needs >= ``beat`` groups.
+
+    A max-tree over the groups' remaining capacities finds the first group that fits in O(log n): descend
+    to the left child whenever it can hold the sample. Leaves are groups, unopened ones with full room; first
+    fit leaves at most one group half empty, so it opens at most ``2 * total // cap + 1`` of them, and we stop
+    at ``beat``. Early exit: a group whose room is below the smallest sample is closed for good, so
+    ``total + closed room > (beat - 1) * cap`` already means ``beat`` groups or more.
+    """
+    sizes = lengths[order].tolist()
+    total, smallest = sum(sizes), sizes[-1]
+    leaves = 1
+    while leaves < min(len(sizes), 2 * total // cap + 1, beat):
+        leaves *= 2
+    tree = [cap] * (2 * leaves)  # tree[v]: the most room in any group under node v; leaf v is group v - leaves
+    groups: list[list[int]] = []
+    closed_room = 0
+    for i, size in zip(order.tolist(), sizes):
+        v = 1
+        while v < leaves:
+            v *= 2
+            if tree[v] < size:
+                v += 1
+        g = v - leaves
+        if g == len(groups):
+            if g + 1 >= beat:
+                return None
+            groups.append([i])
+        else:
+            groups[g].append(i)
+        tree[v] -= size
+        if tree[v] < smallest:
+            closed_room += tree[v]
+            if total + closed_room > (beat - 1) * cap:
+                return None
+        while v > 1:  # restore the maxima on the path to the root
+            v //= 2
+            left, right = tree[2 * v], tree[2 * v + 1]
+            best = left if left > right else right
+            if tree[v] == best:
+                break
+            tree[v] = best
     return groups
 
 
@@ -322,3 +373,17 @@ def plan_groups(lengths: Sequence[int] | np.ndarray, *, token_budget: int, cost:
     config = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples, oversize=oversize,
                             extra_budgets=dict(extra_budgets or {}), pad_to_multiple_of=pad_to_multiple_of)
     return plan(lengths, config, extra=extra).groups
+
+
+def check_oversize(length: int, extra: Mapping[str, int], config: GroupingConfig, label: object) -> str | None:
+    """The error message if one sample alone exceeds a budget under ``config``, else None.
+
+    The per-sample form of the check :func:`plan` applies to a whole buffer (used as samples arrive).
+    """
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length <= 0:
+        raise ValueError(f"sample {label}: length {length!r} is not a positive integer; lengths are token counts "
+                         "-- fix length_fn or filter empty samples out")
+    ext = {name: np.array([int(extra.get(name, 0))]) for name in config.extra_budgets}
+    if not _oversize_mask(np.array([length]), ext, config)[0]:
+        return None
+    return _oversize_message(0, int(length), ext, config, "sample").replace("sample 0:", f"sample {label}:", 1)
