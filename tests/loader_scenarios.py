@@ -86,10 +86,10 @@ def epoch_record(loader, epoch: int | None = None, stop_after: int | None = None
 
 
 # -- scenarios ---------------------------------------------------------------------------------------------
-def sc_coverage(rank, world, n=601, workers=0, context=None, buffer_size=64, **kw):
+def sc_coverage(rank, world, n=601, workers=0, context=None, buffer_size=64, seed=3, **kw):
     ds = TokenDataset(n)
     loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=buffer_size, num_workers=workers,
-                                         multiprocessing_context=context, seed=3, **kw)
+                                         multiprocessing_context=context, seed=seed, **kw)
     first_len = len(loader)
     rec = epoch_record(loader)
     loader.close()
@@ -113,11 +113,11 @@ def sc_break(rank, world, n=401):
     return dict(broke=broke, asym=asym, full=full)
 
 
-def sc_resume(rank, world, n=401, stop_at=5, grad_accum_steps=1, iterable=False):
+def sc_resume(rank, world, n=401, stop_at=5, grad_accum_steps=1, iterable=False, balance=False):
     def make():
         ds = RankStream(rank, 80, 23) if iterable else TokenDataset(n)
         return evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=32, seed=7,
-                                           grad_accum_steps=grad_accum_steps)
+                                           grad_accum_steps=grad_accum_steps, balance=balance)
     loader = make()
     loader.set_epoch(1)
     before, state = [], None
@@ -216,14 +216,14 @@ class TinyLM(torch.nn.Module):
                                                  ignore_index=-100, reduction="mean")
 
 
-def sc_exact_loss(rank, world, grad_accum_steps=1, n=90, reduction="mean"):
+def sc_exact_loss(rank, world, grad_accum_steps=1, n=90, reduction="mean", balance=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = TinyLM()
     ddp = DDP(model) if world > 1 else model
     ds = TokenDataset(n, seed=5, vocab=VOCAB)
     ds.lengths = np.clip(ds.lengths, 2, 300)
     loader = evenflow.DynamicBatchLoader(ds, token_budget=600, buffer_size=16, seed=2,
-                                         grad_accum_steps=grad_accum_steps)
+                                         grad_accum_steps=grad_accum_steps, balance=balance)
     windows, ids, losses = [], [], []
     for batch in loader:
         info = evenflow.pop_step_info(batch)
@@ -249,3 +249,26 @@ def sc_exact_loss(rank, world, grad_accum_steps=1, n=90, reduction="mean"):
                 p.grad = None
     loader.close()
     return windows
+
+
+def sc_balanced(rank, world, n=401, iterable=False, **kw):
+    ds = RankStream(rank, 60, 37) if iterable else TokenDataset(n)
+    loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=32, seed=4, balance=True, **kw)
+    rec = epoch_record(loader)
+    loader.close()
+    return dict(steps=rec)
+
+
+def sc_eval_mid_epoch(rank, world):
+    """Mid-epoch evaluation: a second loader forks its workers while the first one's collation thread runs."""
+    train = evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=BUDGET, buffer_size=32, num_workers=1,
+                                        multiprocessing_context="fork")
+    evals, steps = [], []
+    for batch in train:
+        steps.append(evenflow.pop_step_info(batch).sample_ids)
+        if len(steps) == 3:
+            with evenflow.DynamicBatchLoader(TokenDataset(50, seed=9), token_budget=BUDGET, shuffle=False,
+                                             num_workers=1, multiprocessing_context="fork") as ev:
+                evals = [i for b in ev for i in evenflow.pop_step_info(b).sample_ids]
+    train.close()
+    return dict(train=steps, evals=evals)

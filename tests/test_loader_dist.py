@@ -51,9 +51,16 @@ def _scenarios(world):
             ("oversize", "sc_oversize", dict()),
             ("exact_sum", "sc_exact_loss", dict(reduction="sum", grad_accum_steps=2)),
             ("summed", "sc_coverage", dict(n=301, cost="summed")),
+            ("eval_mid_epoch", "sc_eval_mid_epoch", dict()),
         ]
     if world == 3:
-        cases += [("break", "sc_break", dict()), ("resume", "sc_resume", dict(stop_at=6))]
+        cases += [("break", "sc_break", dict()), ("resume", "sc_resume", dict(stop_at=6)),
+                  ("balanced_resume", "sc_resume", dict(stop_at=6, balance=True)),
+                  ("balanced_iterable", "sc_balanced", dict(iterable=True))]
+    if world in (3, 4):
+        cases += [("balanced", "sc_balanced", dict(n=601 if world != 4 else 103)),
+                  ("unbalanced", "sc_coverage", dict(n=601 if world != 4 else 103, buffer_size=32, seed=4)),
+                  ("balanced_exact", "sc_exact_loss", dict(grad_accum_steps=2, balance=True))]
     return cases
 
 
@@ -286,3 +293,45 @@ def test_torchrun_launch(tmp_path):
     counts = [int((tmp_path / f"rank{r}.txt").read_text().split()[0]) for r in range(2)]
     totals = [int((tmp_path / f"rank{r}.txt").read_text().split()[1]) for r in range(2)]
     assert counts[0] == counts[1] and sum(totals) == 301
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_balanced_keeps_every_guarantee_and_evens_steps(world):
+    res = world_results(world)
+    n = 601 if world != 4 else 103
+    per_rank = [r["balanced"]["steps"] for r in res]
+    _check_epoch(per_rank, n)
+    plain = [r["unbalanced"]["steps"] for r in res]
+    assert [len(r) for r in plain] == [len(r) for r in per_rank], "balancing must not change the step count"
+
+    def mean_imbalance(steps):
+        costs = np.array([[s["padded"] for s in r] for r in steps], dtype=float)
+        return float((costs.max(0) / costs.mean(0)).mean())
+
+    # The same aligned groups, balanced: every step's max/mean cost is no worse, on average clearly better.
+    assert mean_imbalance(per_rank) < mean_imbalance(plain)
+    idle = lambda steps: sum(s["idle"] for r in steps for s in r)  # noqa: E731
+    assert idle(per_rank) <= idle(plain)
+    windows = [r["balanced_exact"] for r in res]
+    for w, ref_loss, ref_grad, _ in _reference(windows, world, 90):
+        loss = sum(v for r in windows for v in r[w]["loss_sum"]) / world
+        assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
+        assert np.linalg.norm(windows[0][w]["grad"] - ref_grad) <= 1e-10 * np.linalg.norm(ref_grad)
+
+
+def test_balanced_resume_and_iterables():
+    res = world_results(3)
+    ids = [i for r in res for s in r["balanced_resume"]["before"] + r["balanced_resume"]["after"] for i in s["ids"]]
+    assert sorted(ids) == list(range(401))
+    steps = [r["balanced_iterable"]["steps"] for r in res]
+    gids = [g for r in steps for s in r for g in s["gid"]]
+    assert sorted(gids) == sorted(r * 100_000 + j for r in range(3) for j in range(60 + 37 * r))
+    # Moved stream samples are named (source rank, position), so ids stay unique across ranks.
+    assert len({i for r in steps for s in r for i in s["ids"]}) == len(gids)
+
+
+def test_eval_loader_forked_while_training_thread_runs():
+    res = world_results(2)
+    train = [i for r in res for ids in r["eval_mid_epoch"]["train"] for i in ids]
+    assert sorted(train) == list(range(301))
+    assert sorted(i for r in res for i in r["eval_mid_epoch"]["evals"]) == list(range(50))

@@ -266,8 +266,10 @@ class RankPlanner:
                 raise ValueError(message)
             if self.grouping.oversize == "drop":
                 self.dropped.append(key)
-                logger.warning("evenflow dropped an over-budget sample (oversize='drop'): %s", message)
-                warnings.warn(f"evenflow dropped an over-budget sample (oversize='drop'): {message}", stacklevel=2)
+                reason = message.split(";")[0]
+                note = f"evenflow dropped 1 over-budget sample(s) [{key!r}] (oversize='drop'): {reason}"
+                logger.warning(note)
+                warnings.warn(note, stacklevel=2)
                 return False
             self.alone.append(key)
         self.buffer.append(Item(key, int(length), int(loss_tokens), extra, self._next_seq, self.rounds))

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from ..planning.alignment import SLOT_WIDTH, RankPlanner, RankReport, decide_rou
 from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
 from .comm import MetadataExchange
 from .step_info import STEP_INFO_KEY, StepInfo
+
+if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True loaders need it
+    from .balancing import BalancedRound, StepRebalancer
 
 __all__ = ["Handoff", "SampleSpec", "EpochPipeline", "Release"]
 
@@ -79,6 +83,7 @@ class Release:
     batch: object
     info: StepInfo
     keys: list
+    """Keys this rank owns at this step (NOTE [ Who owns a moved sample ]): committed as consumed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +162,8 @@ class EpochPipeline(threading.Thread):
     def __init__(self, *, planner: RankPlanner, stream: Iterator, total: int | None, skip: frozenset,
                  exchange: MetadataExchange, fingerprint: int, spec: SampleSpec, collate_fn: Callable,
                  handoff: Handoff, epoch: int, depth: int, grad_accum_steps: int, payloads: dict,
-                 template: Callable[[], object], on_first_sample: Callable[[object], None]) -> None:
+                 template: Callable[[], object], on_first_sample: Callable[[object], None],
+                 rebalancer: StepRebalancer | None = None) -> None:
         super().__init__(name=f"evenflow-collate-e{epoch}", daemon=True)
         self.planner = planner
         self.stream = stream
@@ -175,12 +181,14 @@ class EpochPipeline(threading.Thread):
         self.payloads = payloads
         self.template = template
         self.on_first_sample = on_first_sample
+        self.rebalancer = rebalancer
         self.pulled = 0
         self.exhausted = total == 0
         self.error: BaseException | None = None
         self.step = 0
         self.pending: list = []
         self.world = exchange.topology.world_size
+        self.pair_ids = rebalancer is not None and rebalancer.pair_keys
         self.width = planner.alignment.max_steps_per_round
 
     # -- thread body ---------------------------------------------------------------------------------------
@@ -204,6 +212,8 @@ class EpochPipeline(threading.Thread):
             slots = self.planner.apply(decision, groups) if ok else []
             counts = self.planner.slot_counts(slots, self.width)
             gathered = self.exchange.all_gather(counts.ravel()).reshape(self.world, self.width, SLOT_WIDTH)
+            # balance=True: exchanges 3 and 4 (every round; target is 0 on rank-wide stop/error/end rounds).
+            balanced = self.rebalancer(slots, gathered, decision.target) if self.rebalancer is not None else None
             logger.debug("evenflow round: epoch %d step %d T=%d reports=%s (%.2f ms)", self.epoch, self.step,
                          decision.target, [(r.num_groups, r.num_samples, r.exhausted) for r in reports],
                          1e3 * (time.perf_counter() - started))
@@ -218,7 +228,7 @@ class EpochPipeline(threading.Thread):
             if decision.stop:
                 self.handoff.put(("stopped",))
                 return
-            self._emit(slots, gathered, decision.steps_bound)
+            self._emit(slots, gathered, decision.steps_bound, balanced)
             if decision.epoch_done:
                 self._release()
                 self.handoff.put(("end",))
@@ -254,13 +264,18 @@ class EpochPipeline(threading.Thread):
                 self.on_first_sample(sample)
 
     # -- steps and windows ---------------------------------------------------------------------------------
-    def _emit(self, slots: list, gathered: np.ndarray, steps_bound: int) -> None:
+    def _emit(self, slots: list, gathered: np.ndarray, steps_bound: int, balanced: BalancedRound | None) -> None:
         first = self.step
         for s, items in enumerate(slots):
-            col = gathered[:, s, :]  # [world, (samples, loss tokens, padded, real)]
-            self.pending.append(dict(step=self.step, items=items, local=col[self._rank()],
+            col = gathered[:, s, :]  # [world, (samples, loss tokens, padded, real)]; sums survive balancing
+            local, padded, owned = col[self._rank()], col[:, 2], [it.key for it in items]
+            if balanced is not None:
+                items, padded, owned = balanced.slots[s], balanced.padded[s], balanced.owned[s]
+                local = (len(items), sum(it.loss_tokens for it in items), int(padded[self._rank()]),
+                         sum(it.length for it in items))
+            self.pending.append(dict(step=self.step, items=items, local=local, owned=owned,
                                      global_loss=int(col[:, 1].sum()), global_samples=int(col[:, 0].sum()),
-                                     max_padded=int(col[:, 2].max()), mean_padded=float(col[:, 2].mean()),
+                                     max_padded=int(padded.max()), mean_padded=float(padded.mean()),
                                      bound=first + steps_bound if steps_bound >= 0 else -1))
             self.step += 1
             if len(self.pending) == self.k:
@@ -279,11 +294,12 @@ class EpochPipeline(threading.Thread):
             items = p["items"]
             local = p["local"]
             keys = [it.key for it in items]
+            ids = [k if not self.pair_ids or isinstance(k, tuple) else (self._rank(), k) for k in keys]
             info = StepInfo(step=p["step"], epoch=self.epoch, is_idle=not items, local_samples=int(local[0]),
                             global_samples=p["global_samples"], local_loss_tokens=int(local[1]),
                             global_loss_tokens=p["global_loss"],
                             loss_scale=loss_scale(int(local[1]), window_tokens, self.world),
-                            padded_tokens=int(local[2]), real_tokens=int(local[3]), sample_ids=keys,
+                            padded_tokens=int(local[2]), real_tokens=int(local[3]), sample_ids=ids,
                             world_size=self.world, window_loss_tokens=window_tokens, window_end=i == last,
                             max_padded_tokens=p["max_padded"], mean_padded_tokens=p["mean_padded"],
                             steps_bound=p["bound"])
@@ -294,7 +310,7 @@ class EpochPipeline(threading.Thread):
                 self.error = exc
                 self.pending = []
                 return
-            self.handoff.put(("batch", Release(batch, info, keys)))
+            self.handoff.put(("batch", Release(batch, info, p["owned"])))
         self.pending = []
 
 

@@ -51,6 +51,9 @@ class LoaderConfig:
     loss_tokens: LossTokenRule = field(default_factory=LossTokenRule)
     timeout: timedelta = timedelta(minutes=5)
     """Bound on every metadata exchange: a dead or stuck peer makes this rank raise after it."""
+    balance: bool = False
+    """Move samples between ranks' batches of each step so their costs match, and give ranks that would be
+    IDLE real work (evenflow.runtime.balancing). Costs one more small exchange and one all-to-all per round."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, int) or self.depth < 1:
@@ -93,7 +96,7 @@ class DynamicBatchLoader:
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory: bool = False,
                  multiprocessing_context: object = None, worker_init_fn: Callable | None = None,
                  process_group: object | None = None, timeout: timedelta = timedelta(minutes=5),
-                 idle_sample: Mapping | None = None) -> None:
+                 idle_sample: Mapping | None = None, balance: bool = False) -> None:
         grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
                                   extra_budgets=dict(extra_budgets or {}), oversize=oversize,
                                   pad_to_multiple_of=pad_to_multiple_of)
@@ -101,7 +104,7 @@ class DynamicBatchLoader:
                                     max_wait_rounds=max_wait_rounds, buffer_size=buffer_size)
         self.config = LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
                                    grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
-                                   timeout=timeout)
+                                   timeout=timeout, balance=balance)
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.dataset = dataset
@@ -120,7 +123,7 @@ class DynamicBatchLoader:
         self.world_size = self.topology.world_size
         self.fingerprint = config_fingerprint(self.config.grouping, self.config.alignment, self.config.seed,
                                               self.config.shuffle, self.config.grad_accum_steps,
-                                              self.config.loss_tokens, self.world_size)
+                                              self.config.loss_tokens, self.config.balance, self.world_size)
         self.idle_sample = idle_sample
         self._template: object | None = None
         self._epoch = 0
@@ -290,7 +293,8 @@ class DynamicBatchLoader:
             planner=self._planner, stream=stream, total=total, skip=skip, exchange=self.exchange,
             fingerprint=self.fingerprint, spec=self.spec, collate_fn=self.collate_fn, handoff=self._handoff,
             epoch=self._epoch, depth=self.config.depth, grad_accum_steps=self.config.grad_accum_steps,
-            payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template)
+            payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template,
+            rebalancer=self._rebalancer())
         self._pipeline.start()
 
     def _on_yield(self, release: Release) -> None:
@@ -331,6 +335,12 @@ class DynamicBatchLoader:
         self._handoff = None
         if not self.streams.iterable or self.config.alignment.join:
             self._iterable_stream = None
+
+    def _rebalancer(self):
+        if not self.config.balance:
+            return None
+        from .balancing import StepRebalancer  # imports evenflow.balance (scipy) only when asked for
+        return StepRebalancer(self.exchange, self.config.grouping, self._payloads, pair_keys=self.streams.iterable)
 
     def _numbered(self, raw: Iterator) -> _Numbered:
         return _Numbered(self, raw)
