@@ -1,0 +1,314 @@
+"""Hugging Face ``transformers.Trainer`` with evenflow batches: :class:`DynamicBatchTrainer`.
+
+    trainer = DynamicBatchTrainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=4),
+                                  train_dataset=tokenized, token_budget=16384)
+    trainer.train()
+
+Written against transformers 5.24 (its ``Trainer._inner_training_loop`` / ``_run_epoch``); every hook used is a
+documented override point: ``get_train_dataloader``, ``get_batch_samples``, ``compute_loss`` (+ the
+``loss_is_scaled_for_ga`` class attribute), ``log``, ``evaluate``, ``train`` and a ``TrainerCallback``.
+
+NOTE [ HF Trainer contract ]
+    Units. ``global_step``, ``max_steps``, ``warmup_steps``, ``logging_steps``, ``save_steps`` and the LR schedule
+    all count *optimizer steps* = evenflow accumulation windows of ``gradient_accumulation_steps`` micro-batches
+    (the last window of an epoch may be shorter). ``TrainingArguments.gradient_accumulation_steps`` is the
+    loader's ``grad_accum_steps``; do not set it anywhere else.
+
+    Loss, exactly once. ``compute_loss`` backpropagates ``mean_loss_r * StepInfo.loss_scale`` (NOTE [ Loss scale ]
+    in evenflow.planning.loss) and the class sets ``loss_is_scaled_for_ga = True``, so ``training_step`` does not
+    divide by the accumulation steps again, and ``get_batch_samples`` counts no ``num_items_in_batch`` of its own
+    (it reports the loader's global window count, which evenflow already exchanged). A ``compute_loss_func`` gets
+    ``num_items_in_batch = window_tokens / world_size``, so the HF contract "sum / num_items" yields the same
+    scale. IDLE batches run the forward (DDP/FSDP collectives stay in step) and count exactly 0, never NaN.
+
+    Epoch length. HF sizes an epoch from ``len(dataloader)``; evenflow's is an upper bound. With
+    ``num_train_epochs`` (``max_steps <= 0``) the train loader reports the bound ``ceil(N / W)`` micro-batches per
+    epoch; with ``max_steps > 0`` it reports no length, and HF loops epochs until ``max_steps``. Either way an
+    epoch ends when the loader is exhausted: ``get_batch_samples`` sets ``control.should_epoch_stop`` on the
+    first empty fetch. HF syncs gradients and steps the optimizer only every ``gradient_accumulation_steps``
+    micro-batches, so an epoch's last, shorter window is completed with IDLE micro-batches (``loss_scale = 0``:
+    at most ``gradient_accumulation_steps - 1`` extra forward/backward passes per epoch) and then applied.
+
+    Resume. The loader's per-rank state is written next to each checkpoint (``evenflow_loader_rank{r}.json``,
+    from ``on_save``) and loaded by ``get_train_dataloader`` when ``train(resume_from_checkpoint=...)``. HF's own
+    batch skipping works by counting batches of ``len(dataloader)``, which is only a bound here, so the trainer
+    runs on a copy of ``args`` with ``ignore_data_skip=True``: nothing is skipped twice. The loader, not HF's epoch
+    counter, owns the epoch number (HF's ``set_epoch`` is not forwarded; ``state.epoch`` is rewritten from the
+    loader after every step).
+
+    LR schedule. Schedules that depend on the total (linear, cosine, ...) need ``max_steps`` to be exact: with
+    ``num_train_epochs`` the horizon HF computes is the upper bound, and a warning says so.
+
+    Not used: ``per_device_train_batch_size`` (the token budget sizes batches), ``dataloader_drop_last`` (evenflow
+    never drops), ``group_by_length`` / ``train_sampling_strategy`` (evenflow groups by realized length).
+    Known HF behaviour kept as is: ``train_loss`` in the final metrics adds this rank's unreduced share for the
+    steps after the last log (HF does the same with its own token averaging); the logged ``loss`` values are exact.
+    ``num_input_tokens_seen`` counts IDLE placeholder tokens too. Hyperparameter search (``trial``) is untested.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_utils import get_last_checkpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("evenflow.integrations.hf needs transformers and accelerate: pip install 'evenflow[hf]'"
+                      ) from exc
+
+from ..planning.loss import LossTokenRule
+from ..runtime.loader import DynamicBatchLoader
+from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+from .evaluation import eval_loader, evaluate_loss
+from .hf_epochs import LOADER_STATE_FILE, EpochCallback, TrainBatches
+from .metrics import StepMetrics
+
+__all__ = ["DynamicBatchTrainer", "LOADER_STATE_FILE"]
+
+# Schedules whose shape does not depend on the total number of steps (exact under num_train_epochs too).
+_HORIZON_FREE = {"constant", "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau"}
+_LOADER_PARAMS = frozenset(inspect.signature(DynamicBatchLoader.__init__).parameters) - {"self", "dataset"}
+
+
+class DynamicBatchTrainer(Trainer):
+    """A ``transformers.Trainer`` whose training batches come from :class:`evenflow.DynamicBatchLoader`.
+
+    ``token_budget`` and any other ``DynamicBatchLoader`` option (``buffer_size``, ``join``, ``cost``,
+    ``collate_fn``, ``num_workers``...) are keyword arguments; unset data-loading options default from
+    ``TrainingArguments`` (``dataloader_num_workers``, ``dataloader_pin_memory``, ``dataloader_persistent_workers``,
+    ``dataloader_prefetch_factor``, ``dataloader_multiprocessing_context``, ``data_seed``/``seed``); an explicit
+    ``data_collator`` is the loader's ``collate_fn``. ``eval_token_budget`` makes :meth:`evaluate` use evenflow
+    batching and report the exact per-token loss. See NOTE [ HF Trainer contract ] for units, loss, epochs and
+    resume.
+
+    The per-step :class:`~evenflow.integrations.metrics.StepMetrics` are added to every training log
+    (``evenflow/imbalance``, ``evenflow/local_padded_efficiency``, ``evenflow/idle_steps``...).
+    """
+
+    # compute_loss returns the loss already normalized over the whole accumulation window and all ranks.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, token_budget: int, eval_token_budget: int | None = None, **kwargs: Any) -> None:
+        if "loss_is_scaled_for_ga" not in vars(Trainer) or "get_batch_samples" not in vars(Trainer):
+            raise ImportError("DynamicBatchTrainer needs a transformers Trainer with `loss_is_scaled_for_ga` and "
+                              "`get_batch_samples` (written against 5.24); without them HF would divide the loss by "
+                              "the accumulation steps a second time. Upgrade transformers")
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOADER_PARAMS}
+        if "grad_accum_steps" in options:
+            raise TypeError("DynamicBatchTrainer takes the accumulation from TrainingArguments.gradient_accumulation_"
+                            "steps; do not pass grad_accum_steps")
+        # Only a collator the user passed replaces evenflow's PadCollate: Trainer's fallbacks
+        # (default_data_collator, DataCollatorWithPadding) do not pad labels.
+        self._user_collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
+        super().__init__(*args, **kwargs)
+        if self.args.auto_find_batch_size:
+            raise ValueError("auto_find_batch_size does not apply: token_budget sets the batch size; lower it instead")
+        if self.label_smoother is not None:
+            raise ValueError("label_smoothing_factor != 0 is not supported by DynamicBatchTrainer (its smoother "
+                             "normalizes by the local batch); pass a compute_loss_func that honors num_items_in_batch")
+        if not self.args.ignore_data_skip:
+            # A copy we own: the loader restores its exact position, HF must not skip batches on top of it.
+            self.args = copy.copy(self.args)
+            self.args.ignore_data_skip = True
+        self.token_budget = token_budget
+        self.eval_token_budget = eval_token_budget
+        self.loader_options = options
+        self.evenflow_metrics = StepMetrics()
+        self.train_batches: TrainBatches | None = None
+        self._resume_dir: str | None = None
+        self._eval_loaders: dict = {}
+        self._forward_keys = self._model_input_names()
+        self.add_callback(EpochCallback(self))
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def _loader_kwargs(self) -> dict:
+        a = self.args
+        defaults = {"num_workers": a.dataloader_num_workers, "pin_memory": a.dataloader_pin_memory,
+                    "persistent_workers": a.dataloader_persistent_workers,
+                    "prefetch_factor": a.dataloader_prefetch_factor,
+                    "multiprocessing_context": a.dataloader_multiprocessing_context,
+                    "seed": a.data_seed if a.data_seed is not None else a.seed}
+        if self._user_collator is not None:
+            defaults["collate_fn"] = self._user_collator
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        if isinstance(pad_id, int):
+            defaults["pad_token_id"] = pad_id
+        config = getattr(self.model, "config", None)
+        if getattr(config, "is_encoder_decoder", False):
+            defaults["loss_tokens"] = LossTokenRule(shift=False)  # seq2seq labels are not shifted inside the model
+        return {**defaults, **self.loader_options}
+
+    def get_train_dataloader(self) -> TrainBatches:
+        """Build the evenflow training loader (collective: every rank) and restore its state when resuming."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        self.close_train_loader()
+        epoch_mode = self.args.max_steps <= 0
+        if epoch_mode and not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("an IterableDataset has no epoch length: set TrainingArguments.max_steps "
+                             "(optimizer steps)")
+        max_epochs = None
+        if epoch_mode:
+            epochs = self.args.num_train_epochs
+            if epochs != int(epochs):
+                raise ValueError(f"num_train_epochs={epochs}: evenflow epochs are whole passes (each sample once); "
+                                 "use an integer, or max_steps for a partial epoch")
+            max_epochs = int(epochs)
+            schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+            if schedule not in _HORIZON_FREE:
+                warnings.warn(f"lr_scheduler_type={schedule!r} with num_train_epochs: HF sets the schedule's horizon "
+                              "from len(train_dataloader), which for evenflow is an upper bound on the optimizer "
+                              "steps, so the schedule will not reach its end. Set max_steps for an exact schedule.",
+                              stacklevel=2)
+        loader = DynamicBatchLoader(self.train_dataset, token_budget=self.token_budget,
+                                    grad_accum_steps=self.args.gradient_accumulation_steps, **self._loader_kwargs())
+        batches = TrainBatches(loader, accum=self.args.gradient_accumulation_steps, sized=epoch_mode,
+                                max_epochs=max_epochs)
+        if self._resume_dir is not None:
+            path = os.path.join(self._resume_dir, LOADER_STATE_FILE.format(rank=loader.rank))
+            if not os.path.isfile(path):
+                loader.close()
+                raise FileNotFoundError(f"{path} is missing: checkpoint {self._resume_dir} was not written by "
+                                        "DynamicBatchTrainer, so the loader cannot resume its epoch position; "
+                                        "resume from a DynamicBatchTrainer checkpoint or start a new run")
+            with open(path) as f:
+                batches.load(json.load(f))
+        self.train_batches = batches
+        self.evenflow_metrics = StepMetrics()
+        return batches
+
+    def close_train_loader(self) -> None:
+        """Stop the training loader's epoch on every rank and release its workers (also done at train end)."""
+        if self.train_batches is not None:
+            self.train_batches.close()
+            self.train_batches = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Fetch one accumulation window; end HF's epoch when the loader is exhausted."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            self.control.should_epoch_stop = True
+            return batches, None
+        infos = [b[STEP_INFO_KEY] for b in batches if isinstance(b, Mapping) and STEP_INFO_KEY in b]
+        if len(infos) != len(batches):
+            return batches, None  # not evenflow batches (a user override of get_train_dataloader)
+        if not infos[-1].window_end:
+            raise RuntimeError("evenflow: HF's accumulation chunk does not end on an evenflow window boundary; "
+                               "gradient_accumulation_steps must not change after the trainer was built")
+        return batches, infos[0].window_loss_tokens
+
+    # -- loss --------------------------------------------------------------------------------------------------
+    def _model_input_names(self) -> frozenset | None:
+        if not self.args.remove_unused_columns:
+            return None
+        model = self.accelerator.unwrap_model(self.model)
+        params = inspect.signature(model.forward).parameters.values()
+        named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return frozenset(named | set(self.label_names) | {"label", "label_ids"})
+
+    def _model_inputs(self, inputs: Mapping) -> dict:
+        if self._forward_keys is None:
+            return dict(inputs)
+        return {k: v for k, v in inputs.items() if k in self._forward_keys}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """This rank's share of the exact global per-token loss (NOTE [ HF Trainer contract ])."""
+        if STEP_INFO_KEY not in inputs:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        info: StepInfo = inputs[STEP_INFO_KEY]
+        inputs = self._model_inputs({k: v for k, v in inputs.items() if k != STEP_INFO_KEY})
+        if model.training:
+            self.evenflow_metrics.update(info)
+        live = not info.is_idle and info.local_loss_tokens > 0 and info.window_loss_tokens > 0
+        if self.compute_loss_func is not None:
+            labels = inputs.pop("labels", None)
+            outputs = model(**inputs)
+            # HF contract: compute_loss_func returns sum / num_items_in_batch.
+            items = info.window_loss_tokens / info.world_size if info.window_loss_tokens else 1.0
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=items)
+            loss = loss if live else loss * 0.0
+        else:
+            outputs = model(**inputs)
+            mean = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+            if live:
+                loss = mean * info.loss_scale
+            elif info.local_loss_tokens > 0 or info.is_idle:
+                loss = mean * 0.0  # IDLE batches carry real labels: the mean is finite
+            else:
+                # No supervised token here: the model's mean is 0/0 = NaN. A zero built from the logits keeps every
+                # parameter in the graph (DDP expects its gradient) without touching the NaN.
+                logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[1]
+                loss = logits.sum() * 0.0
+        return (loss, outputs) if return_outputs else loss
+
+    # -- logging, training entry, evaluation ------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the evenflow step metrics of the logging interval to training logs."""
+        if "loss" in logs:
+            logs = {**logs, **self.evenflow_metrics.summary()}
+        super().log(logs, start_time)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint`` also restores each rank's loader position."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._resume_dir = resume_from_checkpoint or None
+        try:
+            return super().train(resume_from_checkpoint=self._resume_dir, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self._resume_dir = None
+            self.close_train_loader()
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """With ``eval_token_budget``: evenflow eval batches and the exact per-token loss; else ``Trainer.evaluate``.
+
+        The evenflow path reports ``{prefix}_loss`` (sum of token losses / supervised tokens over the whole set,
+        identical on every rank), ``{prefix}_samples``, ``{prefix}_loss_tokens`` and ``{prefix}_runtime``; it runs
+        no ``compute_metrics`` (that needs HF's prediction loop: leave ``eval_token_budget`` unset for it).
+        """
+        if self.eval_token_budget is None:
+            return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys,
+                                    metric_key_prefix=metric_key_prefix)
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else id(eval_dataset)
+        if isinstance(eval_dataset, str):
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if key not in self._eval_loaders:  # built once per dataset (construction is collective)
+            options = {k: v for k, v in self._loader_kwargs().items() if k not in ("seed", "persistent_workers")}
+            self._eval_loaders[key] = eval_loader(dataset, token_budget=self.eval_token_budget, **options)
+        start = time.time()
+        result = evaluate_loss(self.model, self._eval_loaders[key], device=self.args.device,
+                               forward=lambda m, b: _mean_loss(m(**self._model_inputs(b))))
+        p = metric_key_prefix
+        metrics = {f"{p}_loss": result["loss"], f"{p}_samples": result["samples"],
+                   f"{p}_loss_tokens": result["loss_tokens"], f"{p}_runtime": round(time.time() - start, 4)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+def _mean_loss(outputs) -> torch.Tensor:
+    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]

@@ -1,0 +1,174 @@
+"""How HF's epoch loop is fitted onto evenflow epochs (NOTE [ HF Trainer contract ] in evenflow.integrations.hf).
+
+- :class:`TrainBatches` -- the iterable ``Trainer`` trains on: one loader epoch per ``iter()``, the epoch's last
+  accumulation window completed with IDLE micro-batches, ``len()`` the per-epoch bound (or none, under max_steps).
+- :class:`EpochCallback` -- keeps ``TrainerState.epoch`` on the loader's epochs, ends HF's epoch loop when the
+  requested evenflow epochs are done, writes each rank's loader state into every checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..runtime.loader import DynamicBatchLoader
+from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+
+__all__ = ["TrainBatches", "EpochCallback", "LOADER_STATE_FILE"]
+
+logger = logging.getLogger("evenflow")
+
+LOADER_STATE_FILE = "evenflow_loader_rank{rank}.json"
+"""Per-rank loader state inside each checkpoint folder (plain JSON)."""
+_STATE_FILE_VERSION = 1
+
+
+class TrainBatches:
+    """The iterable HF trains on: evenflow epochs, the last window padded to full length, a length policy.
+
+    One ``iter()`` runs one loader epoch (the next one the loader has not finished). ``len()`` is the per-epoch
+    bound when HF sizes by epochs and raises ``TypeError`` (HF's "no length") when it runs by ``max_steps``.
+    """
+
+    def __init__(self, loader: DynamicBatchLoader, *, accum: int, sized: bool, max_epochs: int | None) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset  # HF's num_examples() reads it (logging only)
+        self.accum = accum
+        self.sized = sized
+        self.max_epochs = max_epochs
+        self.epoch = 0
+        """The next loader epoch to run (advanced when one is exhausted)."""
+        self.last_info: StepInfo | None = None
+        self._active = None   # the generator HF is consuming
+        self._inner = None    # the loader's iterator while an epoch is in flight
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("evenflow train loader: HF runs by max_steps, the epoch length is not known in advance")
+        n = len(self.loader.dataset)
+        world = self.loader.world_size
+        # Join mode: each rank with data contributes a sample to every step, so steps <= max shard = ceil(N/W),
+        # for a fresh or a resumed epoch alike (quota mode: carried samples may add up to N more per rank).
+        return -(-n // world) if self.loader.config.alignment.join else 2 * n
+
+    def __iter__(self):
+        self.finish_epoch()
+        self._active = self._run()
+        return self._active
+
+    def _run(self):
+        while self.max_epochs is None or self.epoch < self.max_epochs:
+            epoch = self.epoch
+            self.loader.set_epoch(epoch)
+            self._inner = iter(self.loader)
+            steps, window, last = 0, 0, None
+            for batch in self._inner:
+                info = batch[STEP_INFO_KEY]
+                steps, window, last = steps + 1, window + 1, batch
+                self.last_info = info
+                yield batch
+                if info.window_end:
+                    window_len, window = window, 0
+            self._inner = None
+            self.epoch = epoch + 1
+            if steps:  # an epoch resumed exactly at its end yields nothing: go on to the next one
+                yield from self._padding(last, window_len)
+                return
+
+    def _padding(self, last: Mapping, window_len: int):
+        """IDLE micro-batches that complete the epoch's last window to ``accum`` micro-batches.
+
+        HF syncs gradients and steps the optimizer every ``accum`` micro-batches (or at its own epoch bound). With
+        ``accum = 3`` and an epoch of 7 steps, windows are [3, 3, 1]: two copies of the last batch follow it with
+        ``loss_scale = 0``, so the third window reaches HF's sync point and is applied, unchanged.
+        """
+        info: StepInfo = last[STEP_INFO_KEY]
+        pad = dataclasses.replace(info, is_idle=True, local_samples=0, local_loss_tokens=0, loss_scale=0.0,
+                                  padded_tokens=0, real_tokens=0, sample_ids=[], window_end=True)
+        for _ in range(-window_len % self.accum):
+            yield {**last, STEP_INFO_KEY: pad}
+
+    def finish_epoch(self) -> None:
+        """Close the pass HF stopped consuming. Normally the loader is at its end (HF stopped on its exact bound)."""
+        active, inner = self._active, self._inner
+        self._active = self._inner = None
+        if active is not None:
+            active.close()
+        if inner is None:
+            return
+        try:
+            next(inner)
+        except StopIteration:
+            pass
+        else:
+            logger.warning("evenflow: the trainer ended epoch %d before the loader was exhausted; its remaining "
+                           "samples are skipped", self.epoch)
+            inner.close()
+        self.epoch += 1
+
+    def epoch_float(self) -> float:
+        """Loader epoch + fraction done, for ``TrainerState.epoch``."""
+        info = self.last_info
+        if info is None or info.epoch != self.epoch or self._inner is None:
+            return float(self.epoch)
+        return info.epoch + min((info.step + 1) / info.steps_bound, 1.0) if info.steps_bound > 0 else float(info.epoch)
+
+    def state(self) -> dict:
+        return {"version": _STATE_FILE_VERSION, "loader": self.loader.state_dict()}
+
+    def load(self, state: Mapping) -> None:
+        if state.get("version") != _STATE_FILE_VERSION:
+            raise ValueError(f"evenflow checkpoint file version {state.get('version')!r} is not {_STATE_FILE_VERSION}")
+        loader_state = state["loader"]
+        self.loader.load_state_dict(loader_state)
+        self.epoch = loader_state["epoch"] + (1 if loader_state["finished"] else 0)
+
+    def close(self) -> None:
+        active, inner = self._active, self._inner
+        self._active = self._inner = None
+        if active is not None:
+            active.close()
+        if inner is not None:
+            inner.close()
+        self.loader.close()
+
+
+class EpochCallback(TrainerCallback):
+    """Keeps HF's epoch bookkeeping on the loader's epochs and saves the loader state with each checkpoint."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer  # a DynamicBatchTrainer: reads its ``train_batches``
+
+    def on_step_end(self, args, state, control, **kwargs):
+        batches = self.trainer.train_batches
+        if batches is not None:
+            state.epoch = batches.epoch_float()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        batches = self.trainer.train_batches
+        if batches is None or control.should_training_stop:
+            return  # stopping mid-epoch (max_steps, early stopping): the loader is closed at train end
+        batches.finish_epoch()
+        state.epoch = float(batches.epoch)
+        if batches.max_epochs is not None and batches.epoch >= batches.max_epochs:
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        batches = self.trainer.train_batches
+        if batches is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOADER_STATE_FILE.format(rank=batches.loader.rank))
+        with open(path + ".tmp", "w") as f:
+            json.dump(batches.state(), f)
+        os.replace(path + ".tmp", path)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.close_train_loader()

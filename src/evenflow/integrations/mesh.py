@@ -1,0 +1,55 @@
+"""The loader's metadata group over the data-parallel dimension of a ``DeviceMesh``.
+
+With tensor/context parallelism, only data-parallel peers see different data; TP/CP peers must receive *identical*
+batches. Give the loader a gloo group that spans exactly one data-parallel dimension: every TP/CP peer then holds
+the same data-parallel rank in a group of the same size, and since batches are a deterministic function of
+(seed, configuration, data-parallel rank and size, data), the peers form the same batches without talking.
+
+    mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+    group = dp_process_group(mesh, "dp")          # collective: every rank calls it
+    loader = DynamicBatchLoader(ds, token_budget=8192, process_group=group)
+
+Ranks of mesh [[0, 1, 2, 3], [4, 5, 6, 7]] (dp x tp): dp groups are [0, 4], [1, 5], [2, 6], [3, 7]; ranks 0-3 are
+data-parallel rank 0 and get the same batches, ranks 4-7 are data-parallel rank 1.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["dp_process_group", "dp_rank_groups"]
+
+
+def dp_rank_groups(mesh, dim: str | int) -> list[list[int]]:
+    """Global ranks of every group along ``dim`` of ``mesh`` (one list per combination of the other dims).
+
+    For a ``(dp=2, tp=2)`` mesh ``[[0, 1], [2, 3]]``: ``dp_rank_groups(mesh, "dp") == [[0, 2], [1, 3]]``.
+    """
+    names = mesh.mesh_dim_names
+    if isinstance(dim, str):
+        if not names or dim not in names:
+            raise ValueError(f"mesh has no dimension named {dim!r} (names: {names}); pass the name or index of the "
+                             "data-parallel dimension")
+        index = names.index(dim)
+    else:
+        index = dim
+        if not 0 <= index < mesh.ndim:
+            raise ValueError(f"mesh dimension {dim} out of range for a {mesh.ndim}-D mesh")
+    ranks = mesh.mesh.movedim(index, -1).reshape(-1, mesh.mesh.shape[index])
+    return [[int(r) for r in row] for row in ranks.tolist()]
+
+
+def dp_process_group(mesh, dim: str | int = "dp", *, timeout: timedelta = timedelta(minutes=5)):
+    """A gloo group over this rank's data-parallel peers along ``dim`` (collective: call on every rank).
+
+    Every group along ``dim`` is created (``new_subgroups_by_enumeration``, as process-group creation requires of
+    every rank) and this rank's is returned. ``timeout`` bounds every metadata exchange on it; a dead peer then
+    fails the job instead of hanging it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dp_process_group needs torch.distributed to be initialized (init_process_group first)")
+    groups = dp_rank_groups(mesh, dim)
+    mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
+    return mine
