@@ -275,6 +275,7 @@ class EpochPipeline(threading.Thread):
                          sum(it.length for it in items))
             self.pending.append(dict(step=self.step, items=items, local=local, owned=owned,
                                      global_loss=int(col[:, 1].sum()), global_samples=int(col[:, 0].sum()),
+                                     global_real=int(col[:, 3].sum()),
                                      max_padded=int(padded.max()), mean_padded=float(padded.mean()),
                                      bound=first + steps_bound if steps_bound >= 0 else -1))
             self.step += 1
@@ -300,6 +301,7 @@ class EpochPipeline(threading.Thread):
                             global_loss_tokens=p["global_loss"],
                             loss_scale=loss_scale(int(local[1]), window_tokens, self.world),
                             padded_tokens=int(local[2]), real_tokens=int(local[3]), sample_ids=ids,
+                            global_real_tokens=p["global_real"],
                             world_size=self.world, window_loss_tokens=window_tokens, window_end=i == last,
                             max_padded_tokens=p["max_padded"], mean_padded_tokens=p["mean_padded"],
                             steps_bound=p["bound"])

@@ -44,6 +44,8 @@ class StepInfo:
     max_padded_tokens: int = 0
     """Largest ``padded_tokens`` over ranks at this step (imbalance = max / mean)."""
     mean_padded_tokens: float = 0.0
+    global_real_tokens: int = 0
+    """Real (unpadded) tokens of this step summed over all ranks."""
     steps_bound: int = -1
     """Upper bound on this epoch's total steps as known at this step (``len(loader)``), -1 if unknown."""
 
