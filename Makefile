@@ -22,6 +22,7 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/evenflow demo
 
 bench: $(VENV)/.installed-demo
+	$(PIP) -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 check-protocol: $(VENV)/.installed-test

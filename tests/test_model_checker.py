@@ -15,8 +15,8 @@ Bounds (each combination is explored exhaustively)
       sizes 1-3, both modes), and summed cost with ``max_samples=2`` (world sizes 1-2, join mode); every
       multiset of at most 6 samples over the three classes (so 1, 2 or 3 classes present);
     - oversize policies ``error``, ``alone``, ``drop`` (pools without a 9 are run once, under ``error``);
-    - ``buffer_size`` 1, 2, 3 (full buffers from the first round), and 3 with ``warmup_samples=1`` (rounds
-      fill 1, 2, then 3 samples); join and quota mode (``AlignmentConfig(join=False)``);
+    - ``buffer_size`` 1, 2, 3 (full buffers from the first round), and 3 with ``warmup_budgets=1`` (round r
+      may start once the buffer holds (1 + 2r) x 8 tokens, before it holds 3 samples); join and quota mode (``AlignmentConfig(join=False)``);
       ``max_steps_per_round=2`` (so the cap binds) and ``max_wait_rounds=1`` (so ageing acts at once);
     - the stop path (rank 0 requests a stop) from every reachable state.
 
@@ -68,7 +68,7 @@ SHORT, LONG, OVER = 2, 5, 9
 CLASSES = (SHORT, LONG, OVER)
 MAX_SAMPLES_TOTAL = 6
 WORLD_SIZES = (1, 2, 3)
-# (buffer_size, warmup_samples): warm-up 1 with a buffer of 3 makes rounds fill 1, 2, then 3 samples.
+# (buffer_size, warmup_budgets): warm-up 1 with a buffer of 3 lets round r start at (1 + 2r) * BUDGET tokens.
 BUFFERS = ((1, None), (2, None), (3, None), (3, 1))
 STEP_CAP = 2
 MAX_WAIT = 1
@@ -141,17 +141,17 @@ class Checker:
 
     # -- states ---------------------------------------------------------------------------------------------
     def signature(self, planners, remaining, pool) -> tuple:
-        # fill_target (the warm-up ramp) is the only way the absolute round count shapes what comes next.
+        # The warm-up threshold is the only way the absolute round count shapes what comes next.
         ranks = sorted((tuple((it.length, p.rounds - it.arrived) for it in p.buffer), rem)
                        for p, rem in zip(planners, remaining))
-        return tuple(ranks), tuple(pool[c] for c in CLASSES), planners[0].fill_target
+        return tuple(ranks), tuple(pool[c] for c in CLASSES), _warmup_key(planners[0])
 
     def signature_after_fill(self, planners, remaining, draws, pool_after) -> tuple:
         dropped = OVER if self.grouping.oversize == "drop" else None
         ranks = sorted((tuple((it.length, p.rounds - it.arrived) for it in p.buffer)
                         + tuple((c, 0) for c in draw if c != dropped), rem - len(draw))
                        for p, rem, draw in zip(planners, remaining, draws))
-        return tuple(ranks), tuple(pool_after[c] for c in CLASSES), planners[0].fill_target
+        return tuple(ranks), tuple(pool_after[c] for c in CLASSES), _warmup_key(planners[0])
 
     def rounds_bound(self, planners, remaining) -> int:
         held = [len(p.buffer) + rem for p, rem in zip(planners, remaining)]
@@ -161,8 +161,8 @@ class Checker:
         """Every way the ranks can fill their buffers this round: per rank, a tuple of drawn classes."""
         policy = self.grouping.oversize
 
-        def one_rank(need: int, rem: int, pool: Counter):
-            if need == 0 or rem == 0:
+        def one_rank(p, held: int, tokens: int, rem: int, pool: Counter):
+            if p.enough(held, tokens) or rem == 0:
                 yield (), pool, False
                 return
             for c in CLASSES:
@@ -173,16 +173,16 @@ class Checker:
                 if c == OVER and policy == "error":
                     yield (c,), rest, True  # add() raises: no rank reads further
                     continue
-                still = need if (c == OVER and policy == "drop") else need - 1
-                for tail, after, err in one_rank(still, rem - 1, rest):
+                kept = not (c == OVER and policy == "drop")
+                for tail, after, err in one_rank(p, held + kept, tokens + c * kept, rem - 1, rest):
                     yield (c,) + tail, after, err
 
         def ranks(r: int, pool: Counter):
             if r == self.world:
                 yield (), pool, False
                 return
-            need = max(0, planners[r].fill_target - len(planners[r].buffer))
-            for draw, after, err in one_rank(need, remaining[r], pool):
+            p = planners[r]
+            for draw, after, err in one_rank(p, len(p.buffer), sum(it.length for it in p.buffer), remaining[r], pool):
                 if err:
                     yield (draw,) + ((),) * (self.world - r - 1), after, True
                     continue
@@ -366,7 +366,7 @@ def test_protocol_exhaustive(world, grouping_name, join, policy):
     grouping = GroupingConfig(**GROUPINGS[grouping_name], oversize=policy)
     totals = Stats()
     for buffer_size, warmup in BUFFERS:
-        alignment = AlignmentConfig(join=join, buffer_size=buffer_size, warmup_samples=warmup,
+        alignment = AlignmentConfig(join=join, buffer_size=buffer_size, warmup_budgets=warmup,
                                     max_steps_per_round=STEP_CAP, max_wait_rounds=MAX_WAIT)
         checker = Checker(world, grouping, alignment)
         # Pools without an over-budget sample behave the same under every policy: run them once.
@@ -412,12 +412,13 @@ def _restarted(world, grouping, alignment, streams):
     for _ in range(MAX_SAMPLES_TOTAL + 5):
         draws = []
         for r, p in enumerate(ps):
-            need, draw = max(0, p.fill_target - len(p.buffer)), []
-            while need > 0 and remaining[r] > 0:
+            held, tokens, draw = len(p.buffer), sum(it.length for it in p.buffer), []
+            while not p.enough(held, tokens) and remaining[r] > 0:
                 meta = next(its[r])
                 draw.append(meta)
                 remaining[r] -= 1
-                need -= not (grouping.oversize == "drop" and meta.length > grouping.token_budget)
+                kept = not (grouping.oversize == "drop" and meta.length > grouping.token_budget)
+                held, tokens = held + kept, tokens + meta.length * kept
             draws.append(draw)
         trace = run_epoch(ps, [iter(d) for d in draws], unread=[rem + len(d) for rem, d in zip(remaining, draws)],
                           stop_at_round=1, max_rounds=2)
@@ -436,7 +437,7 @@ def test_restarted_rounds_equal_one_continuous_run(join, policy):
     for trial in range(60):
         world = int(rng.integers(1, 4))
         alignment = AlignmentConfig(join=join, buffer_size=int(rng.integers(1, 4)), max_steps_per_round=STEP_CAP,
-                                    max_wait_rounds=MAX_WAIT, warmup_samples=[None, 1][trial % 2])
+                                    max_wait_rounds=MAX_WAIT, warmup_budgets=[None, 1][trial % 2])
         streams = [[SampleMeta(f"{r}.{i}", int(rng.choice(CLASSES))) for i in range(int(rng.integers(0, 5)))]
                    for r in range(world)]
         known, trace = _continuous(world, grouping, alignment, streams, unread=True)
@@ -444,3 +445,9 @@ def test_restarted_rounds_equal_one_continuous_run(join, policy):
         assert known == unknown  # unread only feeds steps_bound, never the batches
         assert _restarted(world, grouping, alignment, streams) == known
         assert all(ex == trace.exchanges[0] for ex in trace.exchanges)
+
+
+def _warmup_key(planner) -> object:
+    """What of the absolute round count the next fill can see: the warm-up token threshold (None = none)."""
+    a = planner.alignment
+    return None if a.warmup_budgets is None else a.warmup_budgets + planner.rounds * a.max_steps_per_round

@@ -89,7 +89,7 @@ def worlds(draw, max_world=8, max_samples=2000, join=None):
                                 buffer_size=draw(st.sampled_from([1, 8, 64, 512])),
                                 max_steps_per_round=draw(st.integers(1, 8)),
                                 max_wait_rounds=draw(st.integers(1, 16)),
-                                warmup_samples=draw(st.sampled_from([None, 1, 16, 256])))
+                                warmup_budgets=draw(st.sampled_from([None, 1, 4, 32])))
     # Uneven per-rank counts, some ranks possibly empty: cut the sample list at random points.
     cuts = np.sort(rng.integers(0, n + 1, world - 1))
     bounds = [0, *cuts.tolist(), n]

@@ -1,0 +1,286 @@
+"""The whole benchmark suite (``make bench``): simulation, gloo exchange latency, real CPU training runs.
+
+Writes ``benchmarks/results/<date>_<hardware>.md`` (tables, verdicts) with PNG plots beside it, and prints one
+JSON line last: ``{"speedup_vs_standard": {dataset: {method: x}}, "oracle_ratio": {dataset: x}, ...}``
+(simulated at 8 ranks, H100 cost model; methods containing ``evenflow`` are ours, ``odb`` is
+online-dynamic-batching 0.1.2). Budget: under 30 minutes on a 2-core CPU machine.
+
+    python benchmarks/run_all.py [--quick] [--skip-train] [--skip-gloo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_gloo  # noqa: E402
+import bench_sim  # noqa: E402
+import bench_train  # noqa: E402
+import report  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+def hardware() -> str:
+    """A short name for this machine, e.g. ``cpu-2c-amd-epyc``."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+    slug = re.sub(r"-(processor|cpu|with.*|\d+-core.*)$", "", slug)[:32].strip("-")
+    return f"cpu-{os.cpu_count()}c-{slug}"
+
+
+def _log(msg: str) -> None:
+    print(f"[run_all {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _range(values) -> str:
+    values = list(values)
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
+def findings(sim: dict, gloo: dict | None, train: dict | None) -> str:
+    """The headline verdicts, with the reasons measured in the tables below."""
+    sp = sim["main"]["speedup"]["H100"]
+    summ = sim["main"]["summary"]
+    js = sim["json"]
+    ours = bench_sim.OURS
+    lines = []
+    paper = {s: x for s, x in bench_sim.PAPER_SPEEDUP.items() if s in sp}
+    above = [s for s, x in paper.items() if max(sp[s][m] for m in ours) >= x]
+    b_std = sorted({sim["main"]["info"][s]["standard"]["batch_size"] for s in sp})
+    lines.append(
+        f"- **Speedup over Standard** (simulated, 8 ranks, H100 model): evenflow is at or above the ODB paper's "
+        f"number on {len(above)} of {len(paper)} paper-matched data sets ({', '.join(above) or 'none'}): "
+        + ", ".join(f"{s} {max(sp[s][m] for m in ours):.2f}x (paper {x:.2f}x)" for s, x in paper.items())
+        + f". Standard uses the largest fixed batch that fits the epoch's longest sample (b in {b_std}), so its "
+        "batches are small and mostly padding; the paper's Standard configuration is not published, so the "
+        "comparison with its numbers is indicative. The H20 model (the paper's hardware) gives slightly lower "
+        "speedups (the fixed step overhead weighs less); MM-Mix's 4.43x was a production mix we can only "
+        "approximate by its CV and short fraction.")
+    worst = min(js["oracle_ratio"], key=js["oracle_ratio"].get)
+    meets = [s for s, x in js["oracle_ratio"].items() if x >= 0.98]
+    best = {s: max(ours, key=lambda m: sp[s][m]) for s in sp}
+    lines.append(
+        f"- **Offline oracle** (whole-epoch sort, GMT/BMT-style): the best evenflow policy reaches "
+        f"{_range(js['oracle_ratio'].values())} of its throughput; the 0.98 goal is met on {len(meets)} of "
+        f"{len(js['oracle_ratio'])} data sets ({', '.join(meets) or 'none'}; worst {worst}). Measured causes: "
+        f"more steps ({_range(summ[s][best[s]]['steps'] / summ[s]['oracle']['steps'] for s in sp)}x the oracle's), "
+        f"lower padded efficiency ({_range(summ[s][best[s]]['padded_efficiency'] for s in sp)} vs "
+        f"{_range(summ[s]['oracle']['padded_efficiency'] for s in sp)}) and cross-rank time imbalance "
+        f"(time-weighted {_range(1 / summ[s][best[s]]['load_efficiency'] for s in sp)} vs "
+        f"{_range(1 / summ[s]['oracle']['load_efficiency'] for s in sp)}); the weakest sets are the short-sample "
+        "ones, where the buffer warm-up dominates (see 'Weaknesses found').")
+    if "odb_buf1024" in next(iter(sp.values())):
+        odb = {s: max(sp[s]["odb_buf256"], sp[s]["odb_buf1024"]) for s in sp}
+        behind = [s for s in sp if max(sp[s][m] for m in ours) <= odb[s]]
+        lines.append(
+            f"- **online-dynamic-batching 0.1.2** (its real grouping code, README buffer 256 and 1,024): evenflow "
+            f"is ahead on {len(sp) - len(behind)} of {len(sp)} data sets under the H100 model, by "
+            f"{_range(max(sp[s][m] for m in ours) / odb[s] for s in sp)}x"
+            + (f" (behind on {', '.join(behind)})" if behind else "")
+            + f". ODB's padded efficiency is {_range(summ[s]['odb_buf1024']['padded_efficiency'] for s in sp)} "
+            f"with buffer 1,024 and it takes "
+            f"{_range(summ[s]['odb_buf1024']['steps'] / summ[s]['oracle']['steps'] for s in sp)}x the oracle's "
+            "steps: it emits every group of each window and aligns counts by peeling singletons (brief §5, traps "
+            "9-10). Under the attention-dominated CPU model the order can flip on long-tail data (see the CPU "
+            "rows): a token budget is a poor proxy for time when attention dominates.")
+    else:
+        lines.append("- **online-dynamic-batching 0.1.2**: not installed here, not compared.")
+    lines.append(
+        f"- **Sorted** (HF group_by_length) removes padding but keeps the small fixed batch: "
+        f"{_range(sp[s]['sorted'] for s in sp)}x; the paper saw ~1.03x on ShareGPT4o (its Sorted likely sorted "
+        "within small per-device windows).")
+    lines.append(
+        f"- **Packing** (FFD, varlen attention) is the strongest baseline where the model supports varlen; "
+        f"evenflow's summed (varlen) policy reaches {_range(js['packing_ratio'].values())} of it.")
+    for name, by_w in sim.get("scale", {}).items():
+        w = max(by_w)
+        if "evenflow_balanced" in by_w[w]:
+            b, loc = by_w[w]["evenflow_balanced"], by_w[w]["evenflow_local"]
+            bt = by_w[w].get("proposal_time_balanced")
+            lines.append(
+                f"- **Balancing at {w:,} ranks** ({name}, {sim['config']['scale_per_rank']} samples per rank): "
+                f"time-weighted imbalance {loc['time_weighted_imbalance']:.3f} local -> "
+                f"{b['time_weighted_imbalance']:.3f} balanced (median step {b['median_imbalance']:.3f}); goal "
+                f"1.05 {'met' if b['time_weighted_imbalance'] <= 1.05 else 'NOT met'}"
+                + (f"; balancing on time instead of tokens (proposal): {bt['time_weighted_imbalance']:.3f}" if bt else "")
+                + ".")
+    if gloo:
+        e = gloo["extrapolation"]
+        lines.append(f"- **Metadata exchange**: a round (two all_gathers) takes {gloo['flat'][0]['median_ms']:.1f} "
+                     f"ms at 2 processes on this loaded 2-core machine; extrapolated with that per-hop cost, a "
+                     f"flat ring at 2,560 ranks needs ~{e['flat_2560_ms']:.0f} ms per round and a two-level "
+                     f"exchange ~{e['hierarchical_2560_ms']:.0f} ms (datacenter-like 30 us hops: "
+                     f"{e['flat_2560_ms_dc30us']:.0f} ms flat).")
+    if train:
+        t = train["methods"]
+        ok = all(r["missing"] == 0 and r["duplicated"] == 0 for r in t.values())
+        lines.append("- **Real CPU training** (2 gloo ranks, tiny model): speedup over Standard "
+                     + ", ".join(f"{m} {r['speedup']:.2f}x" for m, r in t.items() if m != "standard")
+                     + f"; every sample trained exactly once by every method: {'yes' if ok else 'NO (see table)'}. "
+                     "Wall times on this shared machine are noisy; the simulator's speedup for the same batches "
+                     "is in that table.")
+    return "\n".join(lines)
+
+
+def weaknesses(sim: dict) -> str:
+    """Weaknesses of the planning core, with the numbers that show them (suggested fixes, not applied)."""
+    ab = sim["ablations"]
+    buf = ab["buffer"]
+    ratio = {b: v["evenflow_local"]["tokens_per_s"] / v["oracle"]["tokens_per_s"] for b, v in buf.items()}
+    steps = {b: (v["evenflow_local"]["steps"], v["oracle"]["steps"]) for b, v in buf.items()}
+    out = ["Found with the simulator in the planning core (not edited; suggestions for its owners):", ""]
+    warm = ab.get("warmup") or {}
+    hit = {k: w for k, w in warm.items() if w["none"]["oracle_ratio"] - w["default"]["oracle_ratio"] > 0.01}
+    if hit:
+        out.append(
+            f"1. **Buffer warm-up costs up to {max(w['none']['oracle_ratio'] - w['default']['oracle_ratio'] for w in hit.values()):.0%} "
+            "of throughput on short-sample data.** "
+            + "; ".join(f"{k}: {w['default']['steps']} steps and padded efficiency "
+                        f"{w['default']['padded_efficiency']:.3f} with the warm-up vs {w['none']['steps']} / "
+                        f"{w['none']['padded_efficiency']:.3f} without (oracle {w['oracle_steps']} steps)"
+                        for k, w in hit.items())
+            + ". The first rounds plan over a few hundred samples and, since T = min(groups, cap), emit almost all "
+            "of them, so short samples (alpaca / hh-rlhf, ~170 tokens) are grouped from tiny windows. Suggested "
+            "fix: count the warm-up in tokens or groups (fill until the buffer holds >= k x T full groups), or "
+            "cap T at a fraction of the planned groups while warming up.")
+    out.append(
+        f"{len(out) - 1}. **Local planning vs the oracle.** evenflow local / oracle on {bench_sim.ABLATION_SET}: "
+        + ", ".join(f"buffer {b}: {ratio[b]:.3f} ({steps[b][0]} vs {steps[b][1]} steps)" for b in sorted(ratio))
+        + ". Past ~1,024 samples the buffer stops mattering: each rank groups only its own shard, and the "
+        "max-based alignment makes every rank run as many steps as the busiest one. Suggested fix: plan each "
+        "round over the union of the ranks' buffered *lengths* (metadata; the second exchange already carries "
+        "per-slot counts) and move samples with the balancing all-to-all.")
+    sc = sim.get("scale", {})
+    for name, by_w in sc.items():
+        w = max(by_w)
+        loc, orc = by_w[w]["evenflow_local"], by_w[w]["oracle"]
+        out.append(
+            f"{len(out) - 1}. **Drain at scale ({name}, {w:,} ranks x {sim['config']['scale_per_rank']} samples).** "
+            f"{loc['steps']} steps vs the oracle's {orc['steps']} ({loc['steps'] / orc['steps'] - 1:+.0%}); mean "
+            f"per-step imbalance {loc['mean_imbalance']:.1f} (median {loc['median_imbalance']:.2f}): when the "
+            "whole shard fits in the buffer, ranks with less work split their groups to match the busiest rank, "
+            "and the last steps are nearly empty. Same fix as above, or size the target from the *total* work "
+            "once every stream is exhausted.")
+    for name, by_w in sc.items():
+        w = max(by_w)
+        b, o = by_w[w].get("evenflow_balanced"), by_w[w]["oracle"]
+        bt = by_w[w].get("proposal_time_balanced")
+        if b and bt:
+            out.append(
+                f"{len(out) - 1}. **Tokens are not time ({name}, {w:,} ranks).** `rebalance_step` balances padded "
+                f"tokens; with the attention term equal-token groups take unequal time (the token-balanced oracle "
+                f"still shows {o['time_weighted_imbalance']:.3f} time-weighted imbalance). Balancing the package's "
+                f"`padded_partition` on time f(L) instead: {b['time_weighted_imbalance']:.3f} -> "
+                f"{bt['time_weighted_imbalance']:.3f}. Suggested fix: let `rebalance_step` take unit costs f(L), "
+                "keeping the token budget as a constraint.")
+            break
+    rnd = ab["round"]
+    best = max(rnd, key=lambda t: rnd[t]["oracle_ratio"])
+    out.append(f"{len(out) - 1}. **Round size**: best T cap here is {best} (oracle ratio "
+               f"{rnd[best]['oracle_ratio']:.3f}; default {bench_sim.AlignmentConfig().max_steps_per_round}: "
+               f"{rnd.get(bench_sim.AlignmentConfig().max_steps_per_round, {}).get('oracle_ratio', float('nan')):.3f}); "
+               f"spread over T in {sorted(rnd)}: {max(r['oracle_ratio'] for r in rnd.values()) - min(r['oracle_ratio'] for r in rnd.values()):.1%}.")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small configurations (development only)")
+    ap.add_argument("--skip-train", action="store_true", help="skip the real CPU training runs")
+    ap.add_argument("--skip-gloo", action="store_true", help="skip the gloo latency measurement")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    date = datetime.date.today().isoformat()
+    stem = f"{date}_{hardware()}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    timings = {}
+
+    _log("simulation ...")
+    ts = time.perf_counter()
+    sim = bench_sim.run(quick=args.quick, out_dir=RESULTS, stem=stem)
+    timings["simulation"] = time.perf_counter() - ts
+
+    gloo = None
+    if not args.skip_gloo:
+        _log("gloo latency ...")
+        ts = time.perf_counter()
+        try:
+            gloo = bench_gloo.run(quick=True)
+        except Exception:  # noqa: BLE001 - report, keep the rest of the suite
+            _log("gloo benchmark failed:\n" + traceback.format_exc())
+        timings["gloo"] = time.perf_counter() - ts
+
+    train = None
+    if not args.skip_train:
+        _log("real CPU training runs ...")
+        ts = time.perf_counter()
+        try:
+            from evenflow.sim.calibrate import cpu_cost_model
+
+            cm = sim.get("_cpu_model") or cpu_cost_model(repeats=2)
+            train = bench_train.run(quick=args.quick, cpu_model=cm)
+        except Exception:  # noqa: BLE001
+            _log("training benchmark failed:\n" + traceback.format_exc())
+        timings["train"] = time.perf_counter() - ts
+    timings["total"] = time.perf_counter() - t0
+
+    h100 = bench_sim.gpu_cost_model("H100")
+    full_step = h100.batch_time([bench_sim.BUDGET]) + h100.step_overhead
+    md = [f"# evenflow benchmarks -- {date}, {hardware()}", "",
+          f"`python benchmarks/run_all.py{' --quick' if args.quick else ''}` ran in {timings['total'] / 60:.1f} min "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in timings.items() if k != 'total')}) on "
+          f"{os.cpu_count()} shared CPU cores, no GPU. GPU numbers below are *simulated* with the package's own "
+          "planners (`evenflow.sim`) and a FLOP-derived cost model; real runs are CPU-only.", "",
+          "## Headline", "", findings(sim, gloo, train), "",
+          "## Weaknesses found", "", weaknesses(sim), "",
+          report.sim_markdown(sim)]
+    for p in sim.get("plots", []):
+        md.append(f"\n![{p}]({p})")
+    md += ["", "## Metadata exchange over gloo (loopback)", ""]
+    md.append(bench_gloo.markdown(gloo, step_s=full_step, steps_per_round=bench_sim.AlignmentConfig().max_steps_per_round)
+              if gloo else "Not run (or failed; see the log).")
+    md += ["", "## Real CPU training runs", ""]
+    md.append(bench_train.markdown(train) if train else "Not run (or failed; see the log).")
+    md += ["", "## Not covered", "",
+           "- No GPU: every GPU number is simulated (cost model above); the real runs are a 2-rank CPU check.",
+           "- Multimodal phases: the simulator and `CostModel` support several phases (vision encoder + LLM, "
+           "each bounded by its slowest rank), but no benchmark here has real image patches per sample.",
+           "- Packing and varlen evenflow are simulated only (CPU SDPA has no varlen kernel).",
+           "- `depth` changes no batch (batches are deterministic); its effect is hiding the exchange latency, "
+           "discussed in the gloo section, not measured end to end.",
+           "- Data movement of balancing (the all-to-all) is counted (`samples moved`) but not priced."]
+    path = RESULTS / f"{stem}.md"
+    path.write_text("\n".join(md) + "\n")
+    with open(RESULTS / f"{stem}.json", "w") as f:
+        json.dump({"sim": {k: v for k, v in sim.items() if not k.startswith("_")}, "gloo": gloo, "train": train,
+                   "timings_s": timings}, f, default=str)
+    _log(f"wrote {path} in {timings['total'] / 60:.1f} min")
+    line = dict(sim["json"])
+    line["run_all_minutes"] = round(timings["total"] / 60, 2)
+    line["report"] = str(path.relative_to(HERE.parent))
+    if gloo:
+        line["gloo_round_ms"] = {str(r["world"]): round(r["median_ms"], 3) for r in gloo["flat"]}
+    if train:
+        line["cpu_train_speedup_vs_standard"] = {m: round(r["speedup"], 3) for m, r in train["methods"].items()}
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()

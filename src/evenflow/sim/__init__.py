@@ -1,0 +1,19 @@
+"""Cluster simulator: run the package's own planners for W ranks and price every step with a cost model.
+
+- costs.py      -- per-phase cost model (gamma + alpha L + beta L^2), padded or varlen layout
+- schedule.py   -- a schedule: (step, rank, sample) rows, the common currency of every policy
+- simulate.py   -- schedule + cost model -> step times, imbalance, padded efficiency
+- policies.py   -- evenflow's schedules from the real planners (run_epoch, rebalance_step), the sharding
+- calibrate.py  -- fit coefficients from timings (tiny CPU model) or derive them from GPU FLOP rates
+- datasets.py   -- real lengths (chitchat through the Qwen3 template) and paper-matched distributions
+"""
+
+from .costs import CostModel, Layout, PhaseCost, rank_costs
+from .policies import balanced_schedule, evenflow_schedule, shard
+from .schedule import Schedule
+from .simulate import SimResult, as_lengths, simulate
+
+__all__ = [
+    "CostModel", "Layout", "PhaseCost", "rank_costs", "Schedule", "SimResult", "as_lengths", "simulate",
+    "evenflow_schedule", "balanced_schedule", "shard",
+]
