@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from torch.utils.data import DataLoader
 
 import evenflow
 from evenflow.planning import AlignmentConfig, GroupingConfig, SampleMeta, make_planners, plan_groups, run_epoch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import baselines  # noqa: E402  (benchmarks/ is not a package)
 
 CACHE = Path(__file__).with_name("results") / ".chitchat_lengths.npy"
 BUDGET = 16_384
@@ -59,6 +63,19 @@ def protocol_quality(lengths: np.ndarray, world: int, buffer_size: int, seed: in
     imbalance = padded.max(axis=1) / np.maximum(padded.mean(axis=1), 1)
     return dict(steps=len(trace.steps), padded_efficiency=real / padded.sum(), imbalance=float(imbalance.mean()),
                 idle_slots=int(sum(1 for step in trace.steps for s in step if not s)))
+
+
+def schedule_quality(schedule, lengths: np.ndarray) -> dict:
+    """The same figures for a schedule from benchmarks/baselines.py (used for online-dynamic-batching)."""
+    padded = np.zeros((schedule.num_steps, schedule.world_size))
+    longest = np.zeros_like(padded)
+    count = np.zeros_like(padded)
+    np.maximum.at(longest, (schedule.step, schedule.rank), lengths[schedule.sample])
+    np.add.at(count, (schedule.step, schedule.rank), 1)
+    padded = longest * count
+    imbalance = padded.max(axis=1) / np.maximum(padded.mean(axis=1), 1)
+    return dict(steps=schedule.num_steps, padded_efficiency=float(lengths[schedule.sample].sum() / padded.sum()),
+                imbalance=float(imbalance.mean()), missing=int(schedule.info.get("missing", 0)))
 
 
 def oracle_quality(lengths: np.ndarray, world: int) -> dict:
@@ -134,6 +151,19 @@ def main() -> None:
             q = protocol_quality(data, 4, buffer_size)
             q["steps_vs_oracle"] = q["steps"] / oracle["steps"]
             rows[f"evenflow_buffer{buffer_size}"] = q
+        available = baselines.odb_available()[0]
+        balanced = baselines.evenflow_balanced(data, world_size=4, token_budget=BUDGET)  # balance=True's planner
+        q = schedule_quality(balanced, data)
+        q["steps_vs_oracle"] = q["steps"] / oracle["steps"]
+        rows["evenflow_balanced"] = q
+        if available:  # online-dynamic-batching 0.1.2 (pip install 'evenflow[bench]'), its real grouping code
+            for buffer_size in (256, 1024):  # its README default (64 x 4), and a larger buffer
+                sched = baselines.odb_schedule(data, world_size=4, token_budget=BUDGET, buffer_size=buffer_size)
+                q = schedule_quality(sched, data)
+                q["steps_vs_oracle"] = q["steps"] / oracle["steps"]
+                rows[f"odb_buffer{buffer_size}"] = q
+        else:
+            print("online-dynamic-batching not installed (pip install 'evenflow[bench]'): its rows are skipped")
         for key, q in rows.items():
             extra = f" steps/oracle {q['steps_vs_oracle']:.3f}" if "steps_vs_oracle" in q else ""
             print(f"{name:24s} {key:20s} steps {q['steps']:5d} padded eff {q['padded_efficiency']:.4f} "
