@@ -172,8 +172,11 @@ class RoundDecision:
     """Upper bound on the steps left in the epoch *including* this round's ``target`` (-1 if unknown)."""
 
 
-def decide_round(reports: Sequence[RankReport], config: AlignmentConfig) -> RoundDecision:
+def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentConfig) -> RoundDecision:
     """Evaluate NOTE [ The alignment rule ] on the gathered reports. Deterministic and pure.
+
+    ``reports`` is one :class:`RankReport` per rank, or the gathered ``[world, REPORT_WIDTH]`` int64 array
+    itself (what the runtime passes: at 2,560 ranks, building report objects would cost more than deciding).
 
     >>> r = lambda g, n, ex=False: RankReport(7, g, n, ex, 0)
     >>> decide_round([r(3, 6), r(2, 2)], AlignmentConfig()).target
@@ -183,34 +186,39 @@ def decide_round(reports: Sequence[RankReport], config: AlignmentConfig) -> Roun
     >>> decide_round([r(0, 0, True), r(5, 40)], AlignmentConfig(join=False)).epoch_done
     True
     """
-    if not reports:
+    if isinstance(reports, np.ndarray):
+        table = reports.astype(np.int64, copy=False).reshape(-1, REPORT_WIDTH)
+    else:
+        table = np.array([r.to_array() for r in reports], dtype=np.int64).reshape(-1, REPORT_WIDTH)
+    if not len(table):
         raise ValueError("decide_round needs one report per rank, got none")
-    fps = {r.fingerprint for r in reports}
+    fp, groups, samples, exhausted, unread, stop_flags, errors = table.T
+    fps = np.unique(fp)
     if len(fps) != 1:
-        by_fp = {fp: [i for i, r in enumerate(reports) if r.fingerprint == fp] for fp in sorted(fps)}
+        by_fp = {int(f): np.flatnonzero(fp == f).tolist() for f in fps}
         raise ValueError(f"ranks disagree on the loader configuration (fingerprint -> ranks: {by_fp}); every rank "
                          "must build its loader with the same seed, budgets, buffer_size, join and world size")
-    for i, r in enumerate(reports):
-        if r.num_samples < 0 or r.num_groups < 0 or r.num_groups > r.num_samples or (r.num_samples and not r.num_groups):
-            raise ValueError(f"rank {i} sent inconsistent metadata: {r.num_groups} groups for {r.num_samples} "
-                             "samples; ranks may be running different evenflow versions")
-    error_ranks = tuple(i for i, r in enumerate(reports) if r.error)
-    stop = any(r.stop for r in reports)
-    dry = [r.exhausted and r.num_samples == 0 for r in reports]
-    epoch_done = all(dry) if config.join else any(dry)
-    unknown = any(r.unread < 0 for r in reports)
+    bad = (samples < 0) | (groups < 0) | (groups > samples) | ((samples > 0) & (groups == 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"rank {i} sent inconsistent metadata: {int(groups[i])} groups for {int(samples[i])} "
+                         "samples; ranks may be running different evenflow versions")
+    error_ranks = tuple(np.flatnonzero(errors).tolist())
+    stop = bool(stop_flags.any())
+    dry = (exhausted != 0) & (samples == 0)
+    epoch_done = bool(dry.all() if config.join else dry.any())
     if error_ranks or stop or epoch_done:
         return RoundDecision(0, epoch_done, stop, error_ranks, 0 if epoch_done else -1)
-    active = [r.num_samples for r in reports if r.num_samples > 0]
-    if not active:
+    active = samples[samples > 0]
+    if not len(active):
         # A round starts only with a full buffer or an exhausted stream, so an empty buffer means exhausted.
-        raise ValueError(f"every rank reported an empty buffer but ranks {[i for i, d in enumerate(dry) if not d]} "
+        raise ValueError(f"every rank reported an empty buffer but ranks {np.flatnonzero(~dry).tolist()} "
                          "did not report an exhausted stream; a round must start with a full buffer or an "
                          "exhausted stream -- ranks may be running different evenflow versions")
-    target = max(1, min(max(r.num_groups for r in reports), config.max_steps_per_round, min(active)))
+    target = max(1, min(int(groups.max()), config.max_steps_per_round, int(active.min())))
     # Every step has >= 1 sample from each active rank, so no rank holds more steps than samples.
-    bound = -1 if unknown else max(r.num_samples + r.unread for r in reports)
-    return RoundDecision(target, False, False, (), bound)
+    bound = -1 if (unread < 0).any() else int((samples + unread).max())
+    return RoundDecision(target, False, False, error_ranks, bound)
 
 
 @dataclass

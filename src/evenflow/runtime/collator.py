@@ -207,15 +207,15 @@ class EpochPipeline(threading.Thread):
             groups = self.planner.plan_local() if ok else []
             report = RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0,
                                 self.exhausted, self._unread(), self.handoff.stop_requested, not ok)
-            reports = [RankReport.from_array(r) for r in self.exchange.all_gather(report.to_array())]
-            decision = decide_round(reports, self.planner.alignment)
+            table = self.exchange.all_gather(report.to_array())
+            decision = decide_round(table, self.planner.alignment)
             slots = self.planner.apply(decision, groups) if ok else []
             counts = self.planner.slot_counts(slots, self.width)
             gathered = self.exchange.all_gather(counts.ravel()).reshape(self.world, self.width, SLOT_WIDTH)
             # balance=True: exchanges 3 and 4 (every round; target is 0 on rank-wide stop/error/end rounds).
             balanced = self.rebalancer(slots, gathered, decision.target) if self.rebalancer is not None else None
             logger.debug("evenflow round: epoch %d step %d T=%d reports=%s (%.2f ms)", self.epoch, self.step,
-                         decision.target, [(r.num_groups, r.num_samples, r.exhausted) for r in reports],
+                         decision.target, table[:, 1:4].tolist(),
                          1e3 * (time.perf_counter() - started))
             if self.error is not None:
                 self.handoff.put(("error", self.error))
