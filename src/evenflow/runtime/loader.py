@@ -80,9 +80,12 @@ class DynamicBatchLoader:
     spawn or forkserver have no process group. An ``IterableDataset`` is each rank's own stream (shard it
     by rank yourself, and by worker with ``get_worker_info()``); per-rank counts may differ.
 
-    Memory: the buffer holds ``buffer_size`` processed samples per rank (host RAM ~ buffer_size x sample
-    bytes). With ``num_workers > 0`` their tensors arrive through shared memory, so /dev/shm must hold the
-    buffer plus ``prefetch_factor x num_workers`` in-flight samples.
+    Memory: the buffer holds up to ``buffer_size`` processed samples per rank (host RAM ~ buffer_size x
+    sample bytes; 4,096 chat samples of ~900 tokens with int64 ids and labels ~ 60 MB), plus up to
+    ``depth + max_steps_per_round - 1`` collated batches. With ``num_workers > 0``, tensors under 1 MiB arrive
+    pickled (copied into this process, NOTE [ Sample transport ] in source.py); larger ones (images, audio)
+    stay in shared memory while buffered, so /dev/shm must hold the buffered large tensors plus
+    ``prefetch_factor x num_workers`` in-flight samples.
     """
 
     def __init__(self, dataset: Dataset, *, token_budget: int, collate_fn: Callable | None = None,
