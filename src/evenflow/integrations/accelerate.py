@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch.distributed as dist
 
 try:
     from accelerate.utils import send_to_device
@@ -36,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("evenflow.integrations.accelerate needs accelerate: pip install 'evenflow[accelerate]'") from exc
 
 from ..runtime.loader import DynamicBatchLoader
+from .states import gather_states, pick_state
 from ..runtime.step_info import StepInfo, pop_step_info
 
 __all__ = ["device_batches", "sync_window", "LoaderCheckpoint"]
@@ -66,8 +66,8 @@ class LoaderCheckpoint:
     """Every rank's loader state in one object, for ``accelerator.register_for_checkpointing``.
 
     Accelerate writes custom objects from the main process only, but loader states are per rank: ``state_dict``
-    gathers them over the loader's gloo group (a collective -- ``save_state`` runs on every rank, as Accelerate
-    requires), and ``load_state_dict`` picks this rank's entry. After a load, :attr:`start_epoch` is the epoch
+    gathers them over the default group (a collective -- ``save_state`` runs on every rank, as Accelerate
+    requires; NOTE [ Gather states on the default group ]), and ``load_state_dict`` picks this rank's entry. After a load, :attr:`start_epoch` is the epoch
     to pass to ``loader.set_epoch`` next (the saved one, or the one after it when it had finished).
     """
 
@@ -78,20 +78,11 @@ class LoaderCheckpoint:
         self.start_epoch = 0
 
     def state_dict(self) -> dict:
-        mine = self.loader.state_dict()
-        if self.loader.world_size == 1:
-            return {"version": self.VERSION, "ranks": [mine]}
-        states: list = [None] * self.loader.world_size
-        dist.all_gather_object(states, mine, group=self.loader.topology.group)
-        return {"version": self.VERSION, "ranks": states}
+        return {"version": self.VERSION, "ranks": gather_states(self.loader.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != self.VERSION:
             raise ValueError(f"LoaderCheckpoint version {state.get('version')!r} is not {self.VERSION}")
-        ranks = state["ranks"]
-        if len(ranks) != self.loader.world_size:
-            raise ValueError(f"the checkpoint holds loader states of {len(ranks)} ranks but this job has "
-                             f"{self.loader.world_size}; resume with the same data-parallel degree")
-        mine = ranks[self.loader.rank]
+        mine = pick_state(state["ranks"])
         self.loader.load_state_dict(mine)
         self.start_epoch = mine["epoch"] + (1 if mine["finished"] else 0)

@@ -39,7 +39,6 @@ from collections import deque
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 try:
     import lightning as L
@@ -47,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("evenflow.integrations.lightning needs lightning: pip install 'evenflow[lightning]'") from exc
 
 from ..runtime.loader import DynamicBatchLoader
+from .states import gather_states, pick_state
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo, scale_loss
 from .evaluation import eval_loader
 from .metrics import StepMetrics
@@ -125,17 +125,13 @@ class _TrainBatches:
         return state
 
     def state_dict(self) -> dict:
-        mine = self._trained_state()
-        states = [mine]
-        if self.loader.world_size > 1:
-            states = [None] * self.loader.world_size
-            dist.all_gather_object(states, mine, group=self.loader.topology.group)
-        return {"version": _STATE_VERSION, "ranks": states}
+        # NOTE [ Gather states on the default group ] (evenflow.integrations.states)
+        return {"version": _STATE_VERSION, "ranks": gather_states(self._trained_state())}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != _STATE_VERSION or len(state["ranks"]) != self.loader.world_size:
-            raise ValueError("evenflow loader state: wrong version or saved with a different data-parallel degree")
-        mine = state["ranks"][self.loader.rank]
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError("evenflow loader state: wrong version (saved by an incompatible evenflow release)")
+        mine = pick_state(state["ranks"])
         self.loader.load_state_dict(mine)
         self.epoch = mine["epoch"] + (1 if mine["finished"] else 0)
 
