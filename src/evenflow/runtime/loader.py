@@ -280,7 +280,7 @@ class DynamicBatchLoader:
                 self._position = 0
             fresh = self.streams.open()
             old = self._iterable_stream if keep_planner else None
-            stream = self._numbered(_chain(old, fresh) if old is not None else fresh)
+            stream = _Numbered(self, _chain(old, fresh) if old is not None else fresh)
             total, skip = None, frozenset(consumed)
         else:
             shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch,
@@ -344,9 +344,6 @@ class DynamicBatchLoader:
             return None
         from .balancing import StepRebalancer  # imports evenflow.balance (scipy) only when asked for
         return StepRebalancer(self.exchange, self.config.grouping, self._payloads, pair_keys=self.streams.iterable)
-
-    def _numbered(self, raw: Iterator) -> _Numbered:
-        return _Numbered(self, raw)
 
     # -- IDLE batches --------------------------------------------------------------------------------------
     def _remember_template(self, sample: object) -> None:
