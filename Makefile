@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --constraint constraints-cpu.txt
 
-.PHONY: test demo bench check-protocol clean
+.PHONY: test demo bench soak check-protocol clean
 
 $(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-test
-	$(PIP) -e '.[test,demo,hf,accelerate,lightning]'
+	$(PIP) -e '.[test,demo,hf,accelerate,lightning,trl,tensorboard,audio]'
 	touch $@
 
 test: $(VENV)/.installed-demo
@@ -24,6 +24,11 @@ demo: $(VENV)/.installed-demo
 bench: $(VENV)/.installed-demo
 	$(PIP) -e '.[bench]'
 	$(PY) benchmarks/run_all.py
+
+# Randomized soak of the loader's guarantees (issue 10): >= 1,000 pooled + >= 100 fresh-process
+# configurations on real gloo worlds; prints one JSON line last (lost, duplicated, hangs, ...).
+soak: $(VENV)/.installed-test
+	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 5400
 
 check-protocol: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/test_model_checker.py

@@ -13,6 +13,13 @@ evenflow (:func:`evenflow.sim.shard`) unless the policy needs the whole epoch (t
 * :func:`odb_schedule` -- ``online-dynamic-batching`` 0.1.2: its real ``odb.grouping.grouping_data`` for W
   ranks in one process (see NOTE [ Driving ODB in one process ]).
 * :func:`evenflow_local` / :func:`evenflow_balanced` -- the package's planners.
+* :func:`evenflow_global` -- global planning: every round, groups over the union of all ranks' buffers
+  (:func:`evenflow.planning.plan_global_round`), steps dealt by a fitted time cost.
+* :func:`per_rank_oracle` -- each rank knows its whole shard in advance (offline), groups it optimally, and
+  ranks are aligned to the busiest one: the limit of any rank-local policy.
+* :func:`window_oracle` -- the global oracle restricted to what ``planning="global"`` can see: the epoch in
+  windows of ``buffer_size`` samples per rank (each rank's shard, in the loader's order), each window sorted,
+  grouped and dealt like :func:`oracle`, nothing carried between windows.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from evenflow.planning import AlignmentConfig, GroupingConfig, plan
 from evenflow.sim import Schedule, evenflow_schedule, shard
 
 __all__ = ["standard", "sorted_batches", "oracle", "packing", "odb_schedule", "evenflow_local",
-           "evenflow_balanced", "proposal_time_balanced", "fixed_batch_size", "HF_MEGABATCH_MULT", "all_policies", "balance_available",
+           "evenflow_balanced", "evenflow_global", "proposal_time_balanced", "per_rank_oracle", "window_oracle", "fixed_batch_size", "HF_MEGABATCH_MULT", "all_policies", "balance_available",
            "odb_available"]
 
 HF_MEGABATCH_MULT = 50
@@ -82,6 +89,40 @@ def oracle(lengths: np.ndarray, *, world_size: int, token_budget: int, seed: int
                                info={"groups": len(groups)})
 
 
+def _loader_shards(n: int, world_size: int, seed: int) -> list[np.ndarray]:
+    from evenflow.runtime.source import shard_indices  # the loader's own sharding (epoch 0)
+
+    return [np.asarray(shard_indices(n, rank=r, world_size=world_size, epoch=0, seed=seed, shuffle=True))
+            for r in range(world_size)]
+
+
+def per_rank_oracle(lengths: np.ndarray, *, world_size: int, token_budget: int, seed: int = 0) -> Schedule:
+    """Each rank groups its whole shard offline (optimal contiguous grouping); steps = the busiest rank's
+    groups; each rank's groups costliest first, so step k pairs the k-th costliest groups of every rank."""
+    cfg = GroupingConfig(token_budget=token_budget)
+    batches = []
+    for shard in _loader_shards(len(lengths), world_size, seed):
+        groups = [shard[g].tolist() for g in plan(lengths[shard], cfg).groups]
+        groups.sort(key=lambda g: -len(g) * int(lengths[g].max()))
+        batches.append(groups)
+    return Schedule.from_rank_batches(batches, name="per_rank_oracle")
+
+
+def window_oracle(lengths: np.ndarray, *, world_size: int, token_budget: int, buffer_size: int,
+                  seed: int = 0) -> Schedule:
+    """The global oracle per window of ``buffer_size`` samples from every rank's shard (see the module doc)."""
+    shards = _loader_shards(len(lengths), world_size, seed)
+    cfg = GroupingConfig(token_budget=token_budget)
+    steps: list = []
+    for start in range(0, max(len(s) for s in shards), buffer_size):
+        window = np.concatenate([s[start:start + buffer_size] for s in shards])
+        groups = [window[g].tolist() for g in plan(lengths[window], cfg).groups]
+        costs = np.array([len(g) * lengths[g].max() for g in groups], dtype=np.float64)
+        steps.extend(_deal(groups, costs, world_size, seed + start))
+    return Schedule.from_steps(steps, world_size, name=f"window_oracle_buf{buffer_size}",
+                               info={"buffer_size": buffer_size})
+
+
 def packing(lengths: np.ndarray, *, world_size: int, token_budget: int, seed: int = 0) -> Schedule:
     """First-fit-decreasing into rows of ``token_budget`` tokens (varlen attention, summed cost).
 
@@ -123,6 +164,16 @@ def evenflow_balanced(lengths: np.ndarray, *, world_size: int, token_budget: int
         local = evenflow_local(lengths, world_size=world_size, token_budget=token_budget, seed=seed,
                                alignment=alignment)
     return balanced_schedule(local, lengths, token_budget=token_budget)
+
+
+def evenflow_global(lengths: np.ndarray, *, world_size: int, token_budget: int, seed: int = 0,
+                    alignment: AlignmentConfig = AlignmentConfig(), time_cost=None) -> Schedule:
+    """Global round planning (:func:`evenflow.sim.global_policy.global_schedule`); ``time_cost`` is the
+    planner's :class:`~evenflow.planning.TimeCost` (fitted on a calibration split; tokens when None)."""
+    from evenflow.sim.global_policy import global_schedule
+
+    return global_schedule(lengths, world_size=world_size, grouping=GroupingConfig(token_budget=token_budget),
+                           alignment=alignment, time_cost=time_cost, seed=seed)
 
 
 # -- online-dynamic-batching 0.1.2, for real -----------------------------------------------------------------
@@ -308,7 +359,7 @@ def proposal_time_balanced(local: Schedule, lengths: np.ndarray, *, token_budget
 
 def all_policies(lengths: np.ndarray, *, world_size: int, token_budget: int, seed: int = 0,
                  odb_buffers: Sequence[int] = (256, 1024), balanced: bool = True,
-                 cost_model=None) -> dict[str, Schedule]:
+                 cost_model=None, time_cost=None) -> dict[str, Schedule]:
     """Every policy on one epoch (balanced only when ``evenflow.balance`` works; the time-balanced proposal
     only with a ``cost_model``)."""
     kw = dict(world_size=world_size, token_budget=token_budget, seed=seed)
@@ -319,6 +370,7 @@ def all_policies(lengths: np.ndarray, *, world_size: int, token_budget: int, see
             out[f"odb_buf{b}"] = odb_schedule(lengths, buffer_size=b, **kw)
     out["evenflow_local"] = evenflow_local(lengths, **kw)
     out["evenflow_local_summed"] = evenflow_local(lengths, cost="summed", **kw)
+    out["evenflow_global"] = evenflow_global(lengths, time_cost=time_cost, **kw)
     if balanced and balance_available():
         out["evenflow_balanced"] = evenflow_balanced(lengths, local=out["evenflow_local"], **kw)
         if cost_model is not None:

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -156,6 +157,64 @@ def planning_time(rng: np.random.Generator, repeats: int) -> dict:
           f"{h_min:.1f} ms; max/bound {out['ratio_batched']:.4f}")
     print(f"[plan] rank-level assignment (linear_sum_assignment 2560 x 2560): {s_min:.0f} ms (median "
           f"{s_med:.0f}); full plan_balance incl. locality: {p_min:.0f} ms -- overlapped with the step")
+    return out
+
+
+GOAL_PLAN_64_MS = 10.0
+"""Issue 12: ``plan_balance`` at 64 ranks x 32 items well under 10 ms on one idle core, after warm-up."""
+GOAL_PLAN_2560_MS = 100.0
+"""Issue 12: ``plan_balance`` at 2,560 ranks x 32 items under 100 ms on one idle core, after warm-up."""
+
+
+def _instance(rng: np.random.Generator, ranks: int, per_rank: int, skew: bool):
+    lengths, _ = text_lengths(rng, ranks * per_rank)
+    if skew:  # one source rank holds 80 % of the items (e.g. after a data-loading hiccup), the rest uniform
+        sources = np.where(rng.random(ranks * per_rank) < 0.8, 0, rng.integers(0, ranks, ranks * per_rank))
+    else:
+        sources = np.repeat(np.arange(ranks), per_rank)
+    return TEXT_COST(lengths.astype(np.float64)), sources, lengths
+
+
+def _first_call_ms() -> float:
+    """``plan_balance`` 64 x 32 in a fresh interpreter right after ``import evenflow``: the first-call stall."""
+    code = ("import time, numpy as np, evenflow; from evenflow.balance import plan_balance; "
+            "c = np.arange(1, 2049, dtype=float) * 24576; s = np.repeat(np.arange(64), 32); "
+            "t = time.perf_counter(); plan_balance(c, s, 64, ranks_per_node=8); "
+            "print((time.perf_counter() - t) * 1e3)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def plan_latency(rng: np.random.Generator, repeats: int) -> dict:
+    """``plan_balance`` (the default config: LPT / batched LPT, greedy matching, locality) after warm-up, on
+    uniform and skewed instances; the arms are interleaved so load swings hit all of them alike."""
+    from evenflow.balance import warm_up
+
+    warm_up()
+    cases = {f"{r}x32_{'skewed' if sk else 'uniform'}": _instance(rng, r, 32, sk)
+             for r in (64, 2560) for sk in (False, True)}
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    for rep in range(repeats):
+        names = list(cases) if rep % 2 == 0 else list(cases)[::-1]  # ABBA
+        for name in names:
+            c, s, ls = cases[name]
+            ranks = int(name.split("x")[0])
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan_balance(c, s, ranks, ranks_per_node=8, item_bytes=ls)
+            wall[name].append((time.perf_counter() - t0) * 1e3)
+            cpu[name].append((time.process_time() - c0) * 1e3)
+    out = {name: {"wall_ms_min": min(wall[name]), "wall_ms_median": statistics.median(wall[name]),
+                  "cpu_ms_min": min(cpu[name]), "cpu_ms_median": statistics.median(cpu[name])} for name in cases}
+    out["first_call_ms_fresh_process"] = _first_call_ms()
+    out["load_avg_1min"] = os.getloadavg()[0]
+    for name in cases:
+        r = out[name]
+        goal = GOAL_PLAN_64_MS if name.startswith("64x") else GOAL_PLAN_2560_MS
+        print(f"[latency] plan_balance {name}: wall min {r['wall_ms_min']:.1f} / median {r['wall_ms_median']:.1f} ms, "
+              f"CPU min {r['cpu_ms_min']:.1f} ms (goal < {goal:g} ms idle core)")
+    print(f"[latency] first call in a fresh process (64 x 32): {out['first_call_ms_fresh_process']:.1f} ms; "
+          f"load average {out['load_avg_1min']:.1f}")
     return out
 
 
@@ -392,7 +451,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default="text,mixed,plan,bytes,mllm",
+    parser.add_argument("--only", default="text,mixed,plan,latency,bytes,mllm",
                         help="comma-separated sections to run (default: all)")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -414,6 +473,13 @@ def main() -> None:
         goals.update(plan_2560x32_ms=result["planning"]["lpt_batched_ms_min"],
                      plan_2560x32_cpu_ms=result["planning"]["lpt_batched_cpu_ms_min"],
                      plan_ok=result["planning"]["lpt_batched_ms_min"] < GOAL_PLAN_MS)
+    if "latency" in only:
+        result["latency"] = plan_latency(rng, 5 if args.quick else 15)
+        lat = result["latency"]
+        goals.update(plan_balance_64x32_ms=lat["64x32_uniform"]["wall_ms_min"],
+                     plan_balance_2560x32_ms=lat["2560x32_uniform"]["wall_ms_min"],
+                     plan_balance_ok=(lat["64x32_uniform"]["wall_ms_min"] < GOAL_PLAN_64_MS
+                                      and lat["2560x32_uniform"]["wall_ms_min"] < GOAL_PLAN_2560_MS))
     if "bytes" in only:
         result["bytes"] = bytes_moved(rng)
     if "mllm" in only:

@@ -11,7 +11,11 @@ with three per-hop costs: a linear fit over 2-16 processes, the cost measured at
 datacenter 30 us. Caveat: on this machine 16 processes share 2 cores, so every hop includes a context switch;
 per-hop costs measured here are upper bounds for a real cluster's ~10-50 us.
 
-Run: ``python benchmarks/bench_gloo.py [--quick]``; prints one JSON line last.
+``--global-round`` measures instead the exchanges of one ``planning="global"`` round with the loader's own
+classes (evenflow.runtime.comm: flat, or two-level with planning groups), on 2-16 processes, derives the
+per-hop cost from the 2-4 process runs and models the round to 2,560 ranks.
+
+Run: ``python benchmarks/bench_gloo.py [--quick] [--global-round]``; prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -123,6 +127,63 @@ def run(quick: bool = False, worlds: tuple[int, ...] = (2, 4, 8, 16)) -> dict:
     return {"flat": rows, "hierarchical16": hier, "extrapolation": extrap}
 
 
+# -- the planning="global" round's exchanges, with the loader's own classes ---------------------------------
+GLOBAL_BUFFER = 4096
+"""Buffered samples per rank in the global round measurement (the loader's default buffer_size)."""
+
+
+def _global_round(rank: int, world: int, group: int, iters: int, warmup: int) -> list[float]:
+    """One planning="global" round's metadata, as the loader issues it: exchange 1 (report, world-wide; flat
+    or two-level), exchange A (every buffered sample's length and age, inside the planning group), exchange
+    B (union groups/samples, world-wide; only with > 1 planning group), exchange 2 (slot counts, world-wide)."""
+    from datetime import timedelta
+
+    from evenflow.runtime.comm import MetadataExchange, TwoLevelExchange, planning_groups, resolve_topology
+
+    topology = resolve_topology(None, timedelta(seconds=120))
+    groups = planning_groups(topology, group, timedelta(seconds=120))
+    world_x = TwoLevelExchange(topology, groups) if len(groups.starts) > 1 else MetadataExchange(topology)
+    inner = MetadataExchange(groups.inner)
+    report = np.full(13, rank, dtype=np.int64)
+    rows = np.full(GLOBAL_BUFFER * 2, rank, dtype=np.int64)
+    counts = np.full(COUNTS_WIDTH * 2, rank, dtype=np.int64)  # 8 steps x 4 fields
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        table = world_x.all_gather(report)
+        inner.all_gather(rows)
+        if len(groups.starts) > 1:
+            world_x.all_gather(report[:2])
+        world_x.all_gather(counts)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    assert int(table[world - 1][0]) == world - 1
+    return times
+
+
+def global_round(quick: bool = False, worlds: tuple[int, ...] = (2, 4, 8, 16), group: int = 4) -> dict:
+    """Round latency of the global policy's exchanges: one planning group of all ranks vs groups of ``group``
+    ranks (two-level), and the model to 2,560 ranks from the per-hop cost measured at 2-4 processes."""
+    iters = 20 if quick else 60
+    rows = []
+    for w in worlds:
+        for g in sorted({w, min(group, w)}):
+            t = _per_iteration_max(run_world(_global_round, w, g, iters, 5, timeout=600))
+            rows.append({"world": w, "planning_group": g, "median_ms": float(np.median(t) * 1e3),
+                         "p95_ms": float(np.percentile(t, 95) * 1e3), "contended": w > 4})
+    small = [r for r in rows if r["world"] <= 4 and r["planning_group"] == r["world"]]
+    # One round with one group: exchanges 1, A (64 KiB rows) and 2, each a ring all_gather of W - 1 hops.
+    hop = float(np.median([r["median_ms"] / (3 * (r["world"] - 1)) for r in small]))
+
+    def hops(world: int, k: int) -> int:  # ring all_gathers; two-level = inner + leaders + log2(k) broadcast
+        n = world // k
+        two_level = (k - 1) + (n - 1) + int(np.ceil(np.log2(max(k, 2)))) if n > 1 else world - 1
+        return 2 * two_level + (k - 1) + (two_level if n > 1 else 0)  # 1, [B,] 2 world-wide; A inside the group
+
+    model = {f"W{w}_k{k}_ms": hop * hops(w, k) for w, k in ((64, 64), (2560, 8), (2560, 64), (2560, 2560))}
+    return {"rows": rows, "hop_ms": hop, "model": model}
+
+
 def markdown(res: dict, step_s: float | None = None, steps_per_round: int = 4) -> str:
     lines = ["| processes | flat round median (ms) | p95 (ms) |", "|---:|---:|---:|"]
     for r in res["flat"]:
@@ -153,10 +214,27 @@ def markdown(res: dict, step_s: float | None = None, steps_per_round: int = 4) -
         return "\n".join(lines)
 
 
+def global_markdown(res: dict) -> str:
+    lines = ["| processes | planning group | round median (ms) | p95 (ms) |", "|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        tag = " (contended: >4 processes on 2 cores)" if r["contended"] else ""
+        lines.append(f"| {r['world']}{tag} | {r['planning_group']} | {r['median_ms']:.2f} | {r['p95_ms']:.2f} |")
+    lines += ["", f"Per-hop cost measured at 2-4 processes: {res['hop_ms']:.3f} ms. Modelled round latency "
+              "(hops x that cost; planning time not included): " + ", ".join(
+                  f"{k.replace('_ms', '')} {v:.0f} ms" for k, v in res["model"].items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--global-round", action="store_true", help="only the planning='global' round exchanges")
     args = ap.parse_args(argv)
+    if args.global_round:
+        res = global_round(quick=args.quick)
+        print(global_markdown(res))
+        print(json.dumps({"global_round": res}))
+        return
     res = run(quick=args.quick)
     print(markdown(res))
     print(json.dumps({"gloo_round_ms": {str(r["world"]): round(r["median_ms"], 3) for r in res["flat"]},

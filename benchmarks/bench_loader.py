@@ -12,7 +12,16 @@
    simulated 20 ms training step; runs alternate, medians. Twice: trainer-bound (real chat lengths, a
    0.5 ms stand-in pipeline) and data-bound (the real template + tokenizer, slower than the step).
 
-Prints human-readable lines, then one JSON line last.
+3. Real processes (issue 12). 4 gloo processes run the real DynamicBatchLoader with the local policy,
+   ``balance=True`` and ``planning="global"`` on chitchat and hh-rlhf resampled x8 (Qwen3 template lengths,
+   budget 16,384), next to online-dynamic-batching 0.1.2 (its real grouping code, driven in one process),
+   the per-rank oracle, the global oracle and the window-limited oracle (benchmarks/baselines.py). Per
+   policy: steps, padded efficiency, mean per-step imbalance (max/mean padded cost), payload bytes moved per
+   step, and the data-path wall time of the epoch (no training; 4 processes on 2 cores: contended). Then
+   the trainer-bound overhead of each policy against a plain DataLoader delivering the same per-rank
+   batches, 20 ms per step, on 4 ranks (arms alternated, medians).
+
+Prints human-readable lines, then one JSON line last (``global_planning``: the real 4-rank global rows).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from evenflow.planning import AlignmentConfig, GroupingConfig, SampleMeta, make_
 
 sys.path.insert(0, str(Path(__file__).parent))
 import baselines  # noqa: E402  (benchmarks/ is not a package)
+import real_data  # noqa: E402
+from _world import run_world  # noqa: E402
 
 CACHE = Path(__file__).with_name("results") / ".chitchat_lengths.npy"
 BUDGET = 16_384
@@ -132,10 +143,182 @@ def overhead(ds: torch.utils.data.Dataset, budget: int, repeats: int) -> dict:
                 ratio=statistics.median(ours) / statistics.median(plain))
 
 
+# -- 3. real processes: local, balance=True and planning="global" on 4 gloo ranks ---------------------------
+REAL_WORLD = 4
+REAL_SETS = {"chitchat_x8": "chitchat", "hh_rlhf_x8": "hh_rlhf"}
+POLICIES = {"local": {}, "balance": {"balance": True}, "global": {"planning": "global"}}
+ID_BYTES = 8  # int64 input_ids: the payload that moves (pickled, plus a few dozen bytes per sample)
+
+
+class TokenLengths(torch.utils.data.Dataset):
+    """``input_ids`` of the given lengths and nothing else: the data path itself, no pipeline cost."""
+
+    def __init__(self, lengths: np.ndarray, cost_s: float = 0.0) -> None:
+        self.lengths, self.cost_s = lengths, cost_s
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.cost_s:
+            end = time.perf_counter() + self.cost_s
+            while time.perf_counter() < end:
+                pass
+        return {"input_ids": torch.full((int(self.lengths[i]),), 7, dtype=torch.long)}
+
+
+def _real_rank(rank: int, world: int, lengths: np.ndarray, policies: dict) -> dict:
+    out = {}
+    for name, kwargs in policies.items():
+        start = time.perf_counter()
+        steps = []
+        with evenflow.DynamicBatchLoader(TokenLengths(lengths), token_budget=BUDGET, seed=0, **kwargs) as loader:
+            for batch in loader:
+                info = evenflow.pop_step_info(batch)
+                steps.append((list(info.sample_ids), int(info.padded_tokens), int(info.real_tokens)))
+        out[name] = dict(steps=steps, wall_s=time.perf_counter() - start)
+    return out
+
+
+def _real_quality(per_rank: list, lengths: np.ndarray) -> dict:
+    """Steps, padded efficiency, mean imbalance and movement of one policy's real run (all ranks)."""
+    n_steps = len(per_rank[0])
+    assert all(len(r) == n_steps for r in per_rank), "ranks yielded different step counts"
+    ids = sorted(i for r in per_rank for s in r for i in s[0])
+    assert ids == list(range(len(lengths))), "a sample was lost or repeated"
+    padded = np.array([[s[1] for s in r] for r in per_rank], dtype=np.float64)  # [world, steps]
+    real = sum(s[2] for r in per_rank for s in r)
+    home = np.empty(len(lengths), dtype=np.int64)
+    for r, shard in enumerate(baselines._loader_shards(len(lengths), len(per_rank), 0)):
+        home[shard] = r
+    moved = sum(int(lengths[i]) for r, rows in enumerate(per_rank) for s in rows for i in s[0] if home[i] != r)
+    return dict(steps=n_steps, padded_efficiency=real / padded.sum(),
+                imbalance=float((padded.max(0) / np.maximum(padded.mean(0), 1)).mean()),
+                bytes_moved_per_step=moved * ID_BYTES / n_steps)
+
+
+def real_rows(lengths: np.ndarray) -> dict:
+    res = run_world(_real_rank, REAL_WORLD, lengths, POLICIES, timeout=1500)
+    rows = {}
+    kw = dict(world_size=REAL_WORLD, token_budget=BUDGET)
+    rows["global_oracle"] = schedule_quality(baselines.oracle(lengths, **kw), lengths)
+    rows["per_rank_oracle"] = schedule_quality(baselines.per_rank_oracle(lengths, **kw), lengths)
+    buffer = AlignmentConfig().buffer_size
+    rows[f"window_oracle_buf{buffer}"] = schedule_quality(baselines.window_oracle(lengths, buffer_size=buffer, **kw),
+                                                          lengths)
+    for name in POLICIES:
+        q = _real_quality([r[name]["steps"] for r in res], lengths)
+        q["data_path_wall_s"] = max(r[name]["wall_s"] for r in res)
+        rows[f"real_{name}"] = q
+    if baselines.odb_available()[0]:
+        rows["odb_buffer1024"] = schedule_quality(baselines.odb_schedule(lengths, buffer_size=1024, **kw), lengths)
+    oracle_steps = rows["global_oracle"]["steps"]
+    for q in rows.values():
+        q["steps_vs_global_oracle"] = q["steps"] / oracle_steps
+    return rows
+
+
+OVERHEAD_BUDGET = 4096
+"""A smaller budget for the overhead rows: ~4 chat samples per batch, so hundreds of 20 ms steps per run
+(trainer-bound: the 0.5 ms-per-sample pipeline is ~2 ms of worker time per step)."""
+
+
+def _overhead_rank(rank: int, world: int, lengths: np.ndarray, kwargs: dict, repeats: int) -> dict:
+    ds = TokenLengths(lengths, cost_s=0.0005)
+    collate = evenflow.PadCollate()
+
+    def run_evenflow() -> tuple[float, list]:
+        start, groups = time.perf_counter(), []
+        with evenflow.DynamicBatchLoader(ds, token_budget=OVERHEAD_BUDGET, seed=0, num_workers=1, **kwargs) as loader:
+            for batch in loader:
+                groups.append(evenflow.pop_step_info(batch).sample_ids)
+                time.sleep(STEP_S)
+        return time.perf_counter() - start, groups
+
+    def run_plain(groups: list) -> float:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        for _ in DataLoader(ds, batch_sampler=[g for g in groups if g] or [[0]], num_workers=1, collate_fn=collate):
+            time.sleep(STEP_S)
+        for _ in range(sum(1 for g in groups if not g)):  # an IDLE step still trains (a zero-weight batch)
+            time.sleep(STEP_S)
+        dist.barrier()  # the step ends for everyone with the slowest rank, as with evenflow's lockstep
+        return time.perf_counter() - start
+
+    ours, plain = [], []
+    for k in range(repeats):  # ABBA
+        if k % 2 == 0:
+            t, groups = run_evenflow()
+            ours.append(t)
+            plain.append(run_plain(groups))
+        else:
+            plain.append(run_plain(groups))
+            ours.append(run_evenflow()[0])
+    return dict(ours=ours, plain=plain, steps=len(groups))
+
+
+def real_overhead(lengths: np.ndarray, repeats: int) -> dict:
+    out = {}
+    for name, kwargs in POLICIES.items():
+        res = run_world(_overhead_rank, REAL_WORLD, lengths, kwargs, repeats, timeout=1500)
+        ours = [max(r["ours"][k] for r in res) for k in range(repeats)]
+        plain = [max(r["plain"][k] for r in res) for k in range(repeats)]
+        ratios = [a / b for a, b in zip(ours, plain)]
+        out[name] = dict(steps=res[0]["steps"], evenflow_s=statistics.median(ours), plain_s=statistics.median(plain),
+                         ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+    return out
+
+
+def real_section(quick: bool) -> dict:
+    result = real_quality_section(quick)
+    result["overhead_trainer_bound_4ranks"] = real_overhead_section(quick)
+    return result
+
+
+def real_quality_section(quick: bool) -> dict:
+    """Section 3's quality rows (what ``run_all.py`` runs): ~5 minutes on this machine."""
+    result = {}
+    for key, name in REAL_SETS.items():
+        raw = real_data.raw_lengths(name)
+        n = (2 if quick else 8) * len(raw)
+        lengths = real_data.load_lengths(name, n, cutoff=BUDGET)
+        rows = real_rows(lengths)
+        for row, q in rows.items():
+            moved = f" moved {q['bytes_moved_per_step'] / 1e3:7.1f} kB/step" if "bytes_moved_per_step" in q else ""
+            wall = f" wall {q['data_path_wall_s']:.1f} s" if "data_path_wall_s" in q else ""
+            print(f"{key:12s} (n={n}) {row:24s} steps {q['steps']:5d} ({q['steps_vs_global_oracle']:.3f}x oracle) "
+                  f"padded eff {q['padded_efficiency']:.4f} imbalance {q['imbalance']:.3f}{moved}{wall}")
+        result[key] = {"samples": n, **{k: {m: round(float(v), 4) for m, v in q.items()} for k, q in rows.items()}}
+    return result
+
+
+def real_overhead_section(quick: bool) -> dict:
+    lengths = real_data.load_lengths("chitchat", 2000 if quick else 6000, cutoff=OVERHEAD_BUDGET)
+    ov = real_overhead(lengths, 2 if quick else 4)
+    for name, o in ov.items():
+        print(f"overhead, trainer-bound, 4 ranks, {name}: {o['steps']} steps x {STEP_S * 1e3:.0f} ms, evenflow "
+              f"{o['evenflow_s']:.2f} s vs plain {o['plain_s']:.2f} s, ratio {o['ratio']:.3f} "
+              f"[{o['ratio_min']:.3f}, {o['ratio_max']:.3f}] (contended: 4 processes + workers on 2 cores)")
+    return {k: {m: round(float(v), 4) for m, v in o.items()} for k, o in ov.items()}
+
+
+def global_planning_summary(real: dict) -> dict:
+    """The ``global_planning`` key of the final JSON line: the real 4-rank global rows per data set."""
+    return {key: {"steps_x_global_oracle": real[key]["real_global"]["steps_vs_global_oracle"],
+                  "padded_eff": real[key]["real_global"]["padded_efficiency"],
+                  "imbalance_mean": real[key]["real_global"]["imbalance"]} for key in REAL_SETS if key in real}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller overhead run")
+    parser.add_argument("--real-only", action="store_true", help="only section 3 (real 4-rank processes)")
     args = parser.parse_args()
+    if args.real_only:
+        real = real_section(args.quick)
+        print(json.dumps({"real_4ranks": real, "global_planning": global_planning_summary(real)}))
+        return
     torch.set_num_threads(1)
     lengths = chitchat_lengths()
     cv = lengths.std() / lengths.mean()
@@ -182,6 +365,8 @@ def main() -> None:
     print(f"overhead, data-bound real pipeline ({ov['steps']} steps): evenflow {ov['evenflow_s']:.2f} s, plain "
           f"{ov['plain_s']:.2f} s, ratio {ov['ratio']:.3f}")
     result["overhead_data_bound"] = {k: round(float(v), 4) for k, v in ov.items()}
+    result["real_4ranks"] = real_section(args.quick)
+    result["global_planning"] = global_planning_summary(result["real_4ranks"])
     print(json.dumps(result))
 
 

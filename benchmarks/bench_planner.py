@@ -9,6 +9,10 @@ is present. Token budget 16,384. The slowest data set is what the goal is checke
 Also reported (no goal): one ``RankPlanner`` round on a full 4,096 buffer (plan + apply with T=8), and the
 per-sample cost of ``RankPlanner.add``.
 
+Issue 12: the global round plan (:func:`evenflow.planning.plan_global_round`) over 64 ranks x 4,096 buffered
+samples (262,144 items) under 50 ms, on uniform and skewed buffers (one rank holding most of the long samples),
+with wall and CPU time (CPU time is the better figure on a loaded machine).
+
 Run alone: ``python benchmarks/bench_planner.py [--repeats N]``; prints human lines, then one JSON line last.
 """
 
@@ -35,6 +39,8 @@ CUTOFF = 8_192
 RANKS = 2_560
 MEAN_LENGTH = 500
 GOALS_MS = {"padded": 2.0, "summed": 5.0, "decide_round": 5.0}
+GOAL_GLOBAL_MS = 50.0
+"""Issue 12: one global round plan over 64 ranks x 4,096 buffered items."""
 
 
 def lognormal_lengths(cv: float, n: int = BUFFER, seed: int = 0) -> np.ndarray:
@@ -120,6 +126,39 @@ def bench_rank_round(lengths: np.ndarray, repeats: int) -> dict:
             "add_us_per_sample": round(1e3 * add_ms / len(lengths), 2)}
 
 
+def bench_global_round(repeats: int) -> dict:
+    """``plan_global_round`` on 64 x 4,096 items; arms interleaved (ABBA), min and median of wall and CPU."""
+    from evenflow.planning import GlobalPlanConfig, PhaseTime, TimeCost, plan_global_round
+
+    rng = np.random.default_rng(12)
+    world = 64
+    cfg = GlobalPlanConfig(grouping=GroupingConfig(token_budget=BUDGET), max_steps=8,
+                           time_cost=TimeCost(phases=(PhaseTime(alpha=1.0, beta=1.2e-5),)), ranks_per_node=8)
+    lengths = np.concatenate([lognormal_lengths(2.4, BUFFER, seed=s) for s in range(world)])
+    ages = rng.integers(0, 20, lengths.size)
+    uniform = np.repeat(np.arange(world), BUFFER)
+    # skewed: rank 0's buffer holds the longest samples of the union (a hot shard), the rest uniform
+    skewed = uniform[np.argsort(np.argsort(-lengths, kind="stable"), kind="stable")]
+    cases = {"uniform": uniform, "skewed": skewed}
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    for name, src in cases.items():  # warm-up
+        plan_global_round(lengths, src, world, config=cfg, age=ages)
+    for rep in range(repeats):
+        for name in (list(cases) if rep % 2 == 0 else list(cases)[::-1]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            p = plan_global_round(lengths, cases[name], world, config=cfg, age=ages)
+            wall[name].append((time.perf_counter() - t0) * 1e3)
+            cpu[name].append((time.process_time() - c0) * 1e3)
+    final_t0 = time.process_time()
+    plan_global_round(lengths, uniform, world, config=cfg, age=ages, final=True)
+    out = {name: {"wall_ms_min": min(wall[name]), "wall_ms_median": statistics.median(wall[name]),
+                  "cpu_ms_min": min(cpu[name]), "cpu_ms_median": statistics.median(cpu[name])} for name in cases}
+    out.update(items=int(lengths.size), world=world, steps=int(p.num_steps), emitted=int(p.emitted.size),
+               final_round_cpu_ms=(time.process_time() - final_t0) * 1e3, goal_ms=GOAL_GLOBAL_MS)
+    return out
+
+
 def run(repeats: int = 50) -> dict:
     datasets = {f"lognormal_cv{cv}": lognormal_lengths(cv) for cv in (0.8, 1.5, 2.4)}
     vidur = vidur_lengths()
@@ -129,6 +168,7 @@ def run(repeats: int = 50) -> dict:
     grouping = bench_grouping(datasets, repeats)
     decide = bench_decide(repeats)
     rank_round = bench_rank_round(datasets["lognormal_cv2.4"], repeats)
+    global_round = bench_global_round(max(3, repeats // 5))
     worst = {cost: max(row[f"{cost}_ms"] for row in grouping.values()) for cost in ("padded", "summed")}
     measured = {"padded": worst["padded"], "summed": worst["summed"], "decide_round": decide["decide_ms"]}
     return {
@@ -137,7 +177,7 @@ def run(repeats: int = 50) -> dict:
         "python": platform.python_version(),
         "load_avg_1min": round(os.getloadavg()[0], 2),  # other processes on the machine inflate medians
         "buffer": BUFFER, "token_budget": BUDGET, "repeats": repeats,
-        "grouping": grouping, "decide_round": decide, "rank_round": rank_round,
+        "grouping": grouping, "decide_round": decide, "rank_round": rank_round, "global_round": global_round,
         "worst_ms": measured, "goals_ms": GOALS_MS,
         "goals_met": {k: measured[k] < GOALS_MS[k] for k in GOALS_MS},
         "skipped": skipped,
@@ -159,6 +199,12 @@ def main() -> None:
     r = result["rank_round"]
     print(f"one rank round on a full buffer (plan + apply, T={r['target']}): {r['plan_and_apply_ms']:.3f} ms; "
           f"RankPlanner.add: {r['add_us_per_sample']:.1f} us/sample")
+    g = result["global_round"]
+    for name in ("uniform", "skewed"):
+        print(f"global round plan, {g['world']} ranks x {BUFFER} ({g['items']:,} items), {name}: wall min "
+              f"{g[name]['wall_ms_min']:.1f} / median {g[name]['wall_ms_median']:.1f} ms, CPU min "
+              f"{g[name]['cpu_ms_min']:.1f} ms (goal < {GOAL_GLOBAL_MS:g} ms idle core)")
+    print(f"  final (drain) round: {g['final_round_cpu_ms']:.1f} ms CPU")
     for line in result["skipped"]:
         print(line)
     print(f"load average (1 min) during the run: {result['load_avg_1min']} on {os.cpu_count()} cores")

@@ -73,7 +73,7 @@ def main_section(res: dict) -> str:
              "H100 cost model:", "", table(["data set"] + methods + ["ODB paper"], rows), ""]
     rows = []
     cols = [m for m in ("sorted", "oracle", "packing", "odb_buf256", "odb_buf1024", "evenflow_local",
-                        "evenflow_balanced") if m in methods]
+                        "evenflow_balanced", "evenflow_global") if m in methods]
     for s in sets:
         for model in ("H20", "CPU"):
             rows.append([s, model] + [sp[model][s][m] for m in cols])
@@ -169,6 +169,12 @@ def ablation_section(res: dict) -> str:
                   "(warmup + 8 r) budgets of tokens), evenflow local with the default and with `warmup_budgets=None`:", "",
                   table(["data set", "warm-up", "steps", "steps (none)", "oracle steps", "padded eff",
                          "padded eff (none)", "oracle ratio", "oracle ratio (none)"], rows)]
+    if ab.get("keep_home"):
+        rows = [[tol, r["oracle_ratio"], r["padded_efficiency"], r["moved_token_fraction"]]
+                for tol, r in ab["keep_home"].items()]
+        parts += ["", "**Keep-home tolerance** of global planning (`GlobalPlanConfig.keep_home_tolerance`; padded "
+                  "cost spent to keep samples on the rank that read them):", "",
+                  table(["tolerance", "oracle ratio", "padded eff", "tokens moved (fraction)"], rows)]
     rows = [[ov, v["oracle"], v["evenflow_local"]] for ov, v in ab["overhead"].items()]
     parts += ["", "**Step overhead** of the H100 model (seconds per step; the only assumed GPU number that "
               "favours fewer, fuller steps):", "", table(["overhead", "oracle", "evenflow_local"], rows)]
@@ -181,7 +187,8 @@ def scale_section(res: dict) -> str:
              "time-weighted = sum of step maxima / sum of step means (the slowdown against perfect balance). "
              "`evenflow_balanced` = `rebalance_step` on padded tokens (the package); `proposal_time_balanced` = "
              "proposal: the package's `padded_partition` on time `f(L)`, token-balanced fallback when the budget "
-             "would break."]
+             "would break; `evenflow_global` = `plan_global_round` over the union of all buffers, steps dealt by a "
+             "time cost fitted on a separate calibration split (scored by the H100 model itself)."]
     for name, by_w in res["scale"].items():
         rows = []
         for w, by_m in by_w.items():

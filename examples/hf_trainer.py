@@ -37,6 +37,10 @@ def main() -> None:
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
         print("eval", metrics)
+    # Tear the groups down explicitly: left to interpreter exit, gloo's destructors occasionally abort
+    # ("terminate called without an active exception") when the loaders' own groups outlive the default one.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

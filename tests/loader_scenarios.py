@@ -6,6 +6,9 @@ Kept module-level so spawn-started ranks can import them.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -77,12 +80,19 @@ def epoch_record(loader, epoch: int | None = None, stop_after: int | None = None
         steps.append(dict(step=info.step, idle=info.is_idle, ids=list(info.sample_ids),
                           local=info.local_loss_tokens, glob=info.global_loss_tokens, scale=info.loss_scale,
                           padded=info.padded_tokens, shape=tuple(ids.shape), numel=int(ids.numel()),
-                          bound=len(loader), window_end=info.window_end, window=info.window_loss_tokens,
+                          bound=_bound(loader), window_end=info.window_end, window=info.window_loss_tokens,
                           samples=info.local_samples, gsamples=info.global_samples,
                           gid=list(batch["gid"]) if "gid" in batch else None))
         if stop_after is not None and len(steps) >= stop_after:
             break
     return steps
+
+
+def _bound(loader) -> int:
+    try:
+        return len(loader)
+    except TypeError:  # iterable datasets: unknown until their end
+        return -1
 
 
 # -- scenarios ---------------------------------------------------------------------------------------------
@@ -107,10 +117,14 @@ def sc_quota(rank, world, n=301, epochs=3):
 def sc_break(rank, world, n=401):
     loader = evenflow.DynamicBatchLoader(TokenDataset(n), token_budget=BUDGET, buffer_size=32, num_workers=1)
     broke = epoch_record(loader, 0, stop_after=3)          # every rank breaks at step 3
-    asym = epoch_record(loader, 1, stop_after=2 if rank == 0 else None)  # only rank 0 breaks
+    asym, stopped = [], None
+    try:
+        asym = epoch_record(loader, 1, stop_after=2 if rank == 0 else None)  # only rank 0 breaks
+    except evenflow.PeerStopped as exc:
+        stopped = (exc.rank, exc.step, str(exc))
     full = epoch_record(loader, 2)
     loader.close()
-    return dict(broke=broke, asym=asym, full=full)
+    return dict(broke=broke, asym=asym, full=full, stopped=stopped)
 
 
 def sc_resume(rank, world, n=401, stop_at=5, grad_accum_steps=1, iterable=False, balance=False):
@@ -185,7 +199,8 @@ def sc_fault(rank, world, kind):
     ds = TokenDataset(n, fail_at=1 + 3 * world if kind == "worker" else None,
                       bad_at=1 + 3 * world if kind == "bad" else None)
     loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=4, num_workers=1 if kind == "worker" else 0,
-                                         shuffle=False, timeout=__import__("datetime").timedelta(seconds=15))
+                                         shuffle=False, timeout=timedelta(seconds=15),
+                                         worker_timeout=timedelta(seconds=10))
     steps = 0
     try:
         for batch in loader:
@@ -272,3 +287,259 @@ def sc_eval_mid_epoch(rank, world):
                 evals = [i for b in ev for i in evenflow.pop_step_info(b).sample_ids]
     train.close()
     return dict(train=steps, evals=evals)
+
+
+# -- hostile conditions (issue 10): each returns what this rank saw, with wall-clock times ------------------
+FAULT_STEP = 3
+
+
+class HostileDataset(TokenDataset):
+    """TokenDataset with one injected fault on the sample ``at``: an unpicklable value, a __getitem__ that
+    blocks, or an exception."""
+
+    def __init__(self, n: int, fault: str | None = None, at: int | None = None, seed: int = 0) -> None:
+        super().__init__(n, seed=seed)
+        self.fault, self.at = fault, at
+
+    def __getitem__(self, i: int) -> dict:
+        sample = super().__getitem__(i)
+        if i == self.at and self.fault == "unpicklable":
+            sample["handle"] = threading.Lock()
+        elif i == self.at and self.fault == "blocking":
+            time.sleep(120)  # bounded: past worker_timeout, yet no orphan outlives the test for long
+        return sample
+
+
+class FailingIterable(IterableDataset):
+    def __iter__(self):
+        raise OSError("injected: the shard file is missing")
+
+
+class _LastFails:
+    """A collate_fn that fails on a chosen sample (picklable for spawn)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.inner = evenflow.PadCollate()
+
+    def __call__(self, samples):
+        if any(int(s["index"]) == self.at for s in samples):
+            raise KeyError(f"injected collate failure on sample {self.at}")
+        return self.inner(samples)
+
+
+def _length_fails(at):
+    def length(sample):
+        if int(sample["index"]) == at:
+            raise KeyError("num_tokens")
+        return len(sample["input_ids"])
+    return length
+
+
+def _outcome(steps, exc, t_fault=None):
+    out = dict(steps=steps, t_error=time.time(), t_fault=t_fault, error=None, type=None, attrs=None)
+    if exc is not None:
+        out.update(error=f"{type(exc).__name__}: {exc}", type=type(exc).__name__,
+                   attrs={k: getattr(exc, k) for k in ("rank", "step", "type_name", "detail", "sample_index")
+                          if hasattr(exc, k)})
+    return out
+
+
+def _loop(loader, body=None, epoch=0):
+    """Iterate one epoch; ``body(step)`` may raise or return 'break'. Returns (steps, exception or None)."""
+    steps = 0
+    loader.set_epoch(epoch)
+    try:
+        for batch in loader:
+            evenflow.pop_step_info(batch)
+            steps += 1
+            if body is not None and body(steps) == "break":
+                break
+    except Exception as exc:  # noqa: BLE001
+        return steps, exc
+    return steps, None
+
+
+def sc_hostile(rank, world, kind):
+    """One fault of issue 10 on rank 1 (``kind``); every rank reports what it saw and when."""
+    # Generous bounds for a loaded 2-core box (worker start-up alone took > 20 s at load 30); only the
+    # 'blocking' fault waits for worker_timeout, so it gets a short one.
+    # worker_timeout is a per-rank setting (not compared across ranks): only rank 1 waits on its blocked sample.
+    short = dict(timeout=timedelta(seconds=120),
+                 worker_timeout=timedelta(seconds=20 if kind == "blocking" and rank == 1 else 90))
+    t_fault = [None]
+
+    def at_step(action):
+        def body(step):
+            if rank == 1 and step == FAULT_STEP:
+                t_fault[0] = time.time()
+                return action()
+        return body
+
+    def boom():
+        raise ZeroDivisionError("injected trainer failure (say, an OOM)")
+
+    if kind in ("break_one", "raise_one", "break_all"):
+        loader = evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=BUDGET, buffer_size=16, **short)
+        if kind == "break_all":
+            res = _loop(loader, lambda step: "break" if step == FAULT_STEP else None)
+            again = _loop(loader, epoch=1)
+            loader.close()
+            return dict(_outcome(*res), again=_outcome(*again))
+        res = _loop(loader, at_step((lambda: "break") if kind == "break_one" else boom))
+        loader.close()
+        return _outcome(*res, t_fault[0])
+    if kind == "with_raise":  # the exception leaves the loop and the with block: __exit__ reports it
+        steps = 0
+        try:
+            with evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=BUDGET, buffer_size=16,
+                                             **short) as loader:
+                for batch in loader:
+                    evenflow.pop_step_info(batch)
+                    steps += 1
+                    at_step(boom)(steps)
+        except Exception as exc:  # noqa: BLE001
+            return _outcome(steps, exc, t_fault[0])
+        return _outcome(steps, None)
+    if kind == "close_exc":
+        loader = evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=BUDGET, buffer_size=16, **short)
+
+        def body(step):
+            try:
+                at_step(boom)(step)
+            except ZeroDivisionError as exc:
+                loader.close(exc)
+                raise
+        res = _loop(loader, body)
+        loader.close()
+        return _outcome(*res, t_fault[0])
+    return _data_fault(rank, world, kind, short)
+
+
+def _data_fault(rank, world, kind, short):
+    """Data faults: shuffle=False, so index i lives on rank i % world; the fault is on rank 1's 6th sample."""
+    at = 1 + 5 * world
+    n = 40 if kind == "collate_last" else 200
+    if kind == "collate_last":
+        at = n - 1 - (n - 2) % world  # rank 1's last sample (i % world == 1): in the last window
+    kw = dict(token_budget=BUDGET, buffer_size=4, shuffle=False, **short)
+    t0 = time.time()
+    if kind in ("unpicklable", "blocking"):
+        ds = HostileDataset(n, kind if rank == 1 else None, at)
+        loader = evenflow.DynamicBatchLoader(ds, num_workers=1, **kw)
+    elif kind in ("collate_mid", "collate_last"):
+        loader = evenflow.DynamicBatchLoader(TokenDataset(n), collate_fn=_LastFails(at),
+                                             grad_accum_steps=4 if kind == "collate_last" else 1, **kw)
+    elif kind == "length_fn":
+        loader = evenflow.DynamicBatchLoader(TokenDataset(n), length_fn=_length_fails(at), **kw)
+    elif kind == "balance_pickle":
+        ds = HostileDataset(n, "unpicklable" if rank == 1 else None, None)
+        ds.at = None
+        loader = evenflow.DynamicBatchLoader(_AllUnpicklable(ds) if rank == 1 else ds, balance=True, **kw)
+    elif kind == "start_fail":
+        loader = evenflow.DynamicBatchLoader(FailingIterable() if rank == 1 else RankStream(rank, 60, 7),
+                                             token_budget=BUDGET, buffer_size=4, **short)
+    elif kind == "len_mismatch":
+        loader = evenflow.DynamicBatchLoader(TokenDataset(n - 3 if rank == 1 else n), **kw)
+    else:
+        raise ValueError(kind)
+    res = _loop(loader)
+    loader.close()
+    return _outcome(*res, t0)
+
+
+class _AllUnpicklable(Dataset):
+    """Every sample carries a lock (fine with num_workers=0, until balance=True must send one to a peer)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        sample = self.inner[i]
+        sample["handle"] = threading.Lock()
+        return sample
+
+
+def sc_torn_resume(rank, world, kind):
+    """kind 'torn': rank 0 resumes from step 3, the others from step 6; 'one_loads': only rank 0 loads."""
+    make = lambda: evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=BUDGET, buffer_size=16, seed=7,  # noqa: E731
+                                               timeout=timedelta(seconds=30))
+    loader, states = make(), {}
+    for step, batch in enumerate(loader, 1):
+        evenflow.pop_step_info(batch)
+        if step in (3, 6):
+            states[step] = loader.state_dict()
+        if step == 6:
+            break
+    loader.close()
+    fresh = make()
+    if kind == "torn":
+        fresh.load_state_dict(states[3 if rank == 0 else 6])
+    elif rank == 0:
+        fresh.load_state_dict(states[3])
+    res = _loop(fresh)
+    fresh.close()
+    return _outcome(*res)
+
+
+def sc_quota_conserve(rank, world, n=97, epochs=3, balance=False, workers=0, persistent=False, resume_at=None,
+                      iterable=False):
+    """Quota mode over ``epochs``: which samples (and stream passes) each rank trained, and what it carries."""
+    def make():
+        ds = PassStream(rank, 40, 17, by_epoch=workers > 0 and not persistent) if iterable else TokenDataset(n, seed=3)
+        return evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=8, join=False, seed=5,
+                                           balance=balance, num_workers=workers, persistent_workers=persistent,
+                                           timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=30))
+    loader, trained = make(), []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for step, batch in enumerate(loader, 1):
+            info = evenflow.pop_step_info(batch)
+            trained.extend(batch["tag"] if iterable else info.sample_ids)
+            if resume_at is not None and epoch == 1 and step == resume_at and info.window_end:
+                state = loader.state_dict()
+                loader.close()
+                loader = make()
+                loader.load_state_dict(state)
+                break
+        else:
+            continue
+        loader.set_epoch(1)
+        for batch in loader:
+            info = evenflow.pop_step_info(batch)
+            trained.extend(batch["tag"] if iterable else info.sample_ids)
+    state = loader.state_dict()
+    loader.close()
+    return dict(trained=[tuple(t) if isinstance(t, list) else t for t in trained], carry=state["next_carry"],
+                count=(40 + 17 * rank) if iterable else None)
+
+
+class PassStream(IterableDataset):
+    """Rank r's stream of ``base + step * r`` samples, each tagged (rank, pass, position): a re-read or skipped
+    sample shows. Passes are counted per __iter__ call on the iterating copy (num_workers=0, persistent
+    workers), or are the epoch the pass was opened in (fresh workers copy the dataset when a pass opens)."""
+
+    def __init__(self, rank: int, base: int, step: int, by_epoch: bool) -> None:
+        self.rank, self.count, self.by_epoch = rank, base + step * rank, by_epoch
+        self.lengths = long_tail_lengths(self.count, seed=200 + rank, cap=BUDGET // 4)
+        self.epoch, self.passes = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        pass_id = self.epoch if self.by_epoch else self.passes
+        self.passes += 1
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for j in range(wid, self.count, nw):
+            n = int(self.lengths[j])
+            yield {"input_ids": torch.full((n,), j, dtype=torch.long), "tag": (self.rank, pass_id, j)}
+
+
+def sc_many(rank, world, calls):
+    """Run several scenarios in one process world, in order: ``calls`` = [(name, function name, args)]."""
+    return {name: globals()[fn](rank, world, *args) for name, fn, args in calls}

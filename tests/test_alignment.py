@@ -313,3 +313,43 @@ def test_scaled_gradients_equal_the_single_process_reference():
                 (g,) = torch.autograd.grad(mean * float(scales[s, r]), q)
                 got += g / world  # DDP all-reduce average, summed over the accumulation window
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+# -- issue 10: agreement checks, STOP(rank, step), error details --------------------------------------------
+def test_decide_round_names_the_earliest_stopping_rank_and_step():
+    reports = [RankReport(7, 2, 4, False, 0, stop=True, stop_step=9), RankReport(7, 2, 4, False, 0),
+               RankReport(7, 2, 4, False, 0, stop=True, stop_step=5)]
+    d = decide_round(reports, AlignmentConfig())
+    assert d.stop and d.target == 0 and (d.stop_rank, d.stop_step) == (2, 5)
+    assert decide_round([RankReport(7, 2, 4, False, 0)] * 2, AlignmentConfig()).stop_rank == -1
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("epoch", 1, "ranks disagree on the epoch"),
+    ("data", 99, "ranks disagree on the dataset"),
+    ("resume", 6, "ranks disagree on the resumed state"),
+    ("fingerprint", 8, "ranks disagree on the loader configuration"),
+])
+def test_decide_round_refuses_ranks_that_disagree_naming_both_sides(field, value, text):
+    import dataclasses
+    base = RankReport(7, 2, 4, False, 0)
+    odd = dataclasses.replace(base, **{field: value})
+    with pytest.raises(ValueError, match=text) as info:
+        decide_round([base, odd, base], AlignmentConfig())
+    assert "[0, 2]" in str(info.value) and "[1]" in str(info.value)
+    if field == "resume":
+        assert "no state" in str(info.value) and "step 3" in str(info.value)
+
+
+def test_error_details_survive_the_fixed_size_exchange():
+    from evenflow.runtime.faults import DETAIL_WIDTH, decode_detail, encode_detail
+
+    class Custom(Exception):  # need not pickle: only its name and text travel
+        pass
+    row = encode_detail(Custom("naïve message " + "x" * 5000 + " THE END"), 41)
+    assert row.shape == (DETAIL_WIDTH,)
+    name, message, index = decode_detail(row)
+    assert (name, index) == ("Custom", 41) and message.startswith("naïve message") and message.endswith("THE END")
+    assert len(message.encode()) <= 1024
+    assert decode_detail(encode_detail(ValueError("v"), None)) == ("ValueError", "v", None)
+    assert not encode_detail(None, None).any()

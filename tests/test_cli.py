@@ -1,12 +1,9 @@
-"""The ``evenflow`` command line: help, error messages, ``profile`` on a subset, ``demo --quick``."""
+"""The ``evenflow`` command line: help, error messages, ``profile`` on a subset (the demo: test_readme.py, test_demo.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -102,79 +99,99 @@ def test_profile_multimodal_reports_patches(capsys, tmp_path):
     assert "5 samples" in out and "image patches per sample" in out
 
 
+# The demo (`evenflow demo --quick` end to end, its JSON keys and its parts) is tested in tests/test_readme.py
+# and tests/test_demo.py.
+
+
+# -- issue 11: --version, the help catalogue, profile on the user's own data, the memory-model budget ---------
+def test_version(capsys):
+    import evenflow
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"evenflow {evenflow.__version__}"
+
+
+def test_help_catalogue_matches_the_registry():
+    from evenflow.data.registry import DATASETS
+
+    assert cli.DATASET_HELP == {name: spec.description for name, spec in DATASETS.items()}
+
+
+USER_RECORDS = [
+    {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you?"}]},
+    {"conversations": [{"from": "human", "value": "what is 2+2"}, {"from": "gpt", "value": "4"}]},
+    {"instruction": "Translate to French", "input": "cat", "output": "chat"},
+    {"prompt": [{"role": "user", "content": "name a colour"}], "completion": [{"role": "assistant", "content": "red"}]},
+    {"text": "plain language modelling text of a few words"},
+]
+
+
+def _write_all_formats(tmp_path):
+    pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in USER_RECORDS) + "\n")
+    (tmp_path / "mine.json").write_text(json.dumps(USER_RECORDS))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [r for r in USER_RECORDS if "messages" in r] * 3
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "saved"))
+    return {"jsonl": jsonl, "json": tmp_path / "mine.json", "parquet": tmp_path / "chats.parquet",
+            "saved": tmp_path / "saved"}
+
+
 @needs_demo_extra
-@pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_demo_quick_end_to_end(tmp_path):
-    # A subprocess, like a user's shell: the demo spawns its own 2 gloo ranks.
-    proc = subprocess.run([sys.executable, "-m", "evenflow.cli", "demo", "--quick", "--no-progress",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=170,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for text in ("samples/s", "real tokens/s", "padded efficiency", "steps", "rank imbalance",
-                 "held-out loss / token", "than fixed batching", "square-root scaling"):
-        assert text in proc.stdout, text
-    report = json.loads((tmp_path / "demo_report.json").read_text())
-    fixed, dyn = report["runs"]["fixed"], report["runs"]["evenflow"]
-    n = report["config"]["train_samples"]
-    assert fixed["samples"] == n and dyn["samples"] == n  # one epoch each, every sample exactly once
-    assert dyn["steps"] < fixed["steps"]
-    assert fixed["heldout_loss"] > 0 and dyn["heldout_loss"] > 0
-    assert (tmp_path / "demo_report.png").stat().st_size > 1000
+def test_profile_reads_user_data_through_the_tokenizer_and_its_template(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from evenflow.data.chat import qwen_tokenizer_dir
+    from evenflow.data.user_data import to_messages
+
+    paths = _write_all_formats(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+
+    def expected(record):
+        content = to_messages(record)
+        if isinstance(content, str):
+            return len(tok(content)["input_ids"])
+        return len(tok.apply_chat_template(content, tokenize=True, return_dict=True)["input_ids"])
+
+    want = sorted(expected(r) for r in USER_RECORDS)
+    chat_len = expected(USER_RECORDS[0])
+    for kind, path in paths.items():
+        assert cli.main(["profile", "--dataset", str(path), "--cutoff", "none", "--memory-tokens", "512",
+                         "--out", str(tmp_path / "out"), "--json"]) == 0, kind
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        prof = report["profile"]
+        if kind in ("jsonl", "json"):
+            assert prof["count"] == 5 and prof["max"] == want[-1] and prof["mean"] == pytest.approx(sum(want) / 5)
+        else:
+            assert prof["count"] == 3 and prof["max"] == chat_len and prof["median"] == chat_len
+    assert "<|im_start|>" in tok.decode(tok.apply_chat_template(to_messages(USER_RECORDS[1]), tokenize=True,
+                                                                return_dict=True)["input_ids"])
 
 
-# -- demo internals the table depends on --------------------------------------------------------------------------
+@needs_demo_extra
+def test_profile_budget_from_a_model_config(tmp_path, capsys):
+    from evenflow.memory import ModelShape, recommend_token_budget
 
-def test_lr_rule_is_square_root_in_tokens():
-    from evenflow.demo import DemoConfig, lr_for_step
-
-    cfg = DemoConfig(base_lr=1e-3, reference_tokens=1024)
-    assert lr_for_step(cfg, 1024) == pytest.approx(1e-3)
-    assert lr_for_step(cfg, 4096) == pytest.approx(2e-3)
-    assert lr_for_step(cfg, 0) == 0.0
-
-
-def test_summarize_run_metrics():
-    from evenflow.demo.report import summarize_run
-
-    def rec(samples, real, padded, cpu):
-        return {"samples": samples, "real": real, "padded": padded, "cpu_s": cpu, "global_tokens": 10, "lr": 1e-3}
-
-    raw = {"wall_s": 2.0, "heldout_loss": 3.0,
-           "per_rank_steps": [[rec(2, 90, 100, 1.0), rec(1, 50, 50, 0.5)], [rec(1, 100, 100, 2.0), rec(0, 0, 50, 0.1)]]}
-    s = summarize_run(raw)
-    assert (s["steps"], s["samples"], s["real_tokens"], s["padded_tokens"]) == (2, 4, 240, 300)
-    assert s["samples_per_s"] == 2.0 and s["padded_efficiency"] == pytest.approx(0.8)
-    assert s["mean_rank_imbalance"] == pytest.approx(1.0)  # padded costs [100, 100] then [50, 50]
-    assert s["critical_path_cpu_s"] == pytest.approx(2.5) and s["idle_batches"] == 1
-    raw["per_rank_steps"][1].pop()
-    with pytest.raises(ValueError, match="not aligned"):
-        summarize_run(raw)
-
-
-def test_demo_loss_matches_masked_reference_and_backpropagates_empty_batches():
-    pytest.importorskip("transformers")
-    import torch
-    import torch.nn.functional as F
-
-    from evenflow.demo import DemoConfig
-    from evenflow.demo.train import _sum_loss, build_model
-
-    model = build_model(DemoConfig(hidden_size=32, intermediate_size=64, num_layers=1), 97)
-    ids = torch.randint(1, 97, (3, 20))
-    mask = torch.ones_like(ids)
-    mask[1, 12:] = 0
-    ids[1, 12:] = 0
-    labels = ids.clone()
-    labels[:, :5] = -100
-    labels[mask == 0] = -100
-    ref_logits = model(input_ids=ids, attention_mask=mask).logits
-    ref = F.cross_entropy(ref_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
-                          reduction="sum")
-    loss, n = _sum_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels})
-    assert n == int((labels[:, 1:] != -100).sum())
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
-    empty, n = _sum_loss(model, {"input_ids": ids, "labels": torch.full_like(ids, -100)})
-    empty.backward()  # must not raise: DDP needs every rank to run backward
-    assert n == 0 and empty.item() == 0.0
-    assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for p in model.parameters())
+    paths = _write_all_formats(tmp_path)
+    config = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["profile", "--dataset", str(paths["jsonl"]), "--model-config", str(tmp_path / "config.json"),
+            "--memory-gb", "24", "--activation-checkpointing", "--out", str(tmp_path / "out"), "--json"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    shape = ModelShape.from_hf_config(config, dtype="bfloat16", activation_checkpointing=True)
+    want = recommend_token_budget(shape, 24 * 2**30).token_budget
+    assert report["budget"]["token_budget"] == report["memory_model"]["token_budget"] == want
+    assert want != 24 and "memory model" in out  # a real model, not an echo of an input
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "--dataset", str(paths["jsonl"]), "--model-config", str(tmp_path / "config.json")])
+    assert "--memory-gb" in capsys.readouterr().err

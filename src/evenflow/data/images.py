@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ import torch
 from .chat import IGNORE_INDEX, Message, QwenChatTokenizer
 from .deps import require
 
-__all__ = ["ImageChatDataset", "skimage_image_paths", "IMAGE_PLACEHOLDER"]
+__all__ = ["ImageChatDataset", "ProcessedImage", "augmented_image", "process_image", "expand_placeholder", "skimage_image_paths",
+           "IMAGE_PLACEHOLDER"]
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 """What the Qwen2-VL template writes for one image; the single ``<|image_pad|>`` is expanded after tokenizing."""
@@ -60,6 +62,60 @@ def _processor(min_pixels: int, max_pixels: int, pid: int) -> Any:
     # without torchvision); earlier versions only have the PIL-based class.
     cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     return cls(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image after the Qwen2-VL processor: patch rows and the token count they expand to."""
+
+    pixel_values: np.ndarray
+    """float32 ``[num_patches, 1176]``; each run of ``merge_size**2`` consecutive rows is one LLM token."""
+    grid: np.ndarray
+    """``image_grid_thw`` as int64 ``[1, 3]``."""
+    num_patches: int
+    num_tokens: int
+
+
+def augmented_image(path: str | os.PathLike[str], *, seed: int, index: int,
+                    scale_range: tuple[float, float]) -> Any:
+    """``path`` as RGB, rescaled by a factor seeded by ``(seed, index)`` (the augmentation)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+    # Per-sample seeded rescale: the same index gets the same image size in every process and epoch.
+    scale = np.random.default_rng([seed, index]).uniform(*scale_range)
+    size = (max(28, round(img.width * scale)), max(28, round(img.height * scale)))
+    return img.resize(size, Image.Resampling.BICUBIC)
+
+
+def process_image(path: str | os.PathLike[str], *, seed: int, index: int, scale_range: tuple[float, float],
+                  min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> ProcessedImage:
+    """:func:`augmented_image` through the Qwen2-VL processor."""
+    processor = _processor(min_pixels, max_pixels, os.getpid())
+    out = processor(images=augmented_image(path, seed=seed, index=index, scale_range=scale_range),
+                    return_tensors="np")
+    grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(1, 3)
+    num_patches = int(grid.prod())
+    return ProcessedImage(pixel_values=np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid=grid,
+                          num_patches=num_patches, num_tokens=num_patches // processor.merge_size ** 2)
+
+
+def expand_placeholder(ids: np.ndarray, labels: np.ndarray, marker: int, count: int,
+                       new_id: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Replace the first ``marker`` token by ``count`` copies of ``new_id`` (default: ``marker``), unsupervised.
+
+    Returns ``(ids, labels, position)``. ``[5, M, 6]`` with ``count=3`` -> ``[5, M, M, M, 6]``, labels -100 there.
+    """
+    hits = np.flatnonzero(ids == marker)
+    if not hits.size:
+        raise ValueError(f"token {marker} not found in the rendered sample: the template dropped the placeholder")
+    at = int(hits[0])
+    fill = marker if new_id is None else new_id
+    ids = np.concatenate([ids[:at], np.full(count, fill, np.int64), ids[at + 1:]])
+    labels = np.concatenate([labels[:at], np.full(count, IGNORE_INDEX, np.int64), labels[at + 1:]])
+    return ids, labels, at
 
 
 class ImageChatDataset(torch.utils.data.Dataset):
@@ -94,39 +150,25 @@ class ImageChatDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def _image(self, index: int) -> Any:
-        from PIL import Image
-
-        path = self.image_paths[index % len(self.image_paths)]
-        with Image.open(path) as img:
-            img = img.convert("RGB")
-        # Per-sample seeded rescale: the same index gets the same image size in every process and epoch.
-        scale = np.random.default_rng([self.seed, index]).uniform(*self.scale_range)
-        size = (max(28, round(img.width * scale)), max(28, round(img.height * scale)))
-        return img.resize(size, Image.Resampling.BICUBIC)
+        return augmented_image(self.image_paths[index % len(self.image_paths)], seed=self.seed, index=index,
+                               scale_range=self.scale_range)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
-        processor = _processor(self.min_pixels, self.max_pixels, os.getpid())
-        out = processor(images=self._image(index), return_tensors="np")
-        grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(1, 3)
-        num_patches = int(grid.prod())
-        num_image_tokens = num_patches // processor.merge_size ** 2
-
+        image = process_image(self.image_paths[index % len(self.image_paths)], seed=self.seed, index=index,
+                              scale_range=self.scale_range, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         conv = self.conversations[index % len(self.conversations)][:2]
         messages = [{"role": conv[0]["role"], "content": IMAGE_PLACEHOLDER + conv[0]["content"]}, *conv[1:]]
         ids, labels = self.tokenizer.encode_chat(messages)
         pad = self.tokenizer.token_id("<|image_pad|>")
-        at = int(np.flatnonzero(ids == pad)[0])
-        ids = np.concatenate([ids[:at], np.full(num_image_tokens, pad, np.int64), ids[at + 1:]])
-        labels = np.concatenate([labels[:at], np.full(num_image_tokens, IGNORE_INDEX, np.int64), labels[at + 1:]])
+        ids, labels, at = expand_placeholder(ids, labels, pad, image.num_tokens)
         if self.cutoff is not None and len(ids) > self.cutoff:
-            if at + num_image_tokens + 1 > self.cutoff:
-                raise ValueError(f"sample {index}: its image alone needs {num_image_tokens} tokens, beyond "
+            if at + image.num_tokens + 1 > self.cutoff:
+                raise ValueError(f"sample {index}: its image alone needs {image.num_tokens} tokens, beyond "
                                  f"cutoff={self.cutoff}; cutting inside an image would break it -- lower "
                                  f"max_pixels (now {self.max_pixels}) or raise cutoff")
             ids, labels = ids[:self.cutoff], labels[:self.cutoff]
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "pixel_values": torch.from_numpy(np.asarray(out["pixel_values"], dtype=np.float32)),
-                "image_grid_thw": torch.from_numpy(grid), "num_patches": num_patches,
-                "num_image_tokens": num_image_tokens}
+                "pixel_values": torch.from_numpy(image.pixel_values), "image_grid_thw": torch.from_numpy(image.grid),
+                "num_patches": image.num_patches, "num_image_tokens": image.num_tokens}

@@ -1,25 +1,34 @@
-"""What the demo trains on, with which model, and the learning-rate rule. Frozen; checked on construction."""
+"""What the demo trains on, with which model, which arms, and the LR schedule. Frozen; checked on construction."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["DemoConfig", "quick_config", "lr_for_step"]
+from ..lr import LRScaling
+
+__all__ = ["ARMS", "DEFAULT_ARMS", "DemoConfig", "quick_config", "schedule_factor"]
+
+ARMS = ("fixed", "group_by_length", "evenflow", "evenflow_no_lr_rule", "evenflow_summed")
+"""Every arm the demo knows (see evenflow.demo.arms); ``fixed`` (the goals' reference) and ``evenflow`` always run."""
+DEFAULT_ARMS = ARMS[:4]
+"""``make demo``'s arms. ``evenflow_summed`` is exact but the slowest arm on CPU (stock sdpa builds a dense
+block-diagonal mask for a packed row: 128 s of critical-path CPU against 46 s padded), which would push the demo
+past ~5 minutes; ``--quick`` runs it, and ``DemoConfig(arms=ARMS)`` adds it to a full run."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """One demo run: a fixed-batch epoch and an evenflow epoch over the same samples."""
+    """One demo run: every arm trains one epoch over the same samples, in interleaved timed chunks."""
 
     train_samples: int = 1000
     """Chitchat conversations trained on (a seeded random subset of those with a reply)."""
     heldout_samples: int = 48
-    """Other conversations, never trained on, for the per-token loss after each epoch."""
+    """Other conversations, never trained on, for the per-token loss after every chunk."""
     cutoff: int = 4096
     """Truncation length of the chat pipeline (tokens)."""
     token_budget: int = 4096
-    """Padded tokens per batch per rank (the memory model) -- for both runs."""
+    """Padded tokens per batch per rank (the memory model) -- for every arm."""
     world_size: int = 2
     """gloo ranks (spawned processes, one CPU thread each)."""
     vocab_size: int = 4096
@@ -29,20 +38,31 @@ class DemoConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    base_lr: float = 1.5e-3
-    """Learning rate of a step holding ``reference_tokens`` supervised tokens (see :func:`lr_for_step`)."""
-    reference_tokens: int = 1024
+    base_lr: float = 3e-3
+    """Peak LR (after warm-up) of an optimizer step holding ``reference_tokens`` supervised tokens."""
+    reference_tokens: int | None = None
+    """Reference of the token LR rule (evenflow.lr). ``None``: the mean global supervised tokens per optimizer
+    step of the planner-only dry run -- the same value for every arm, so at the mean step every arm gets
+    ``base_lr``."""
+    lr_scaling: LRScaling = "sqrt"
+    """Token LR rule of every arm but ``evenflow_no_lr_rule`` (which uses ``"none"``, to show what it does)."""
+    warmup_fraction: float = 0.05
+    """Linear warm-up over this fraction of each arm's optimizer steps, then cosine decay."""
+    final_lr_fraction: float = 0.1
+    """The cosine decays to ``base_lr * final_lr_fraction`` at the arm's last optimizer step."""
     max_grad_norm: float = 1.0
     seed: int = 0
     num_workers: int = 1
-    """DataLoader workers per rank, in both runs."""
+    """DataLoader workers per rank, in every arm."""
+    rounds: int = 8
+    """Timed rounds: each arm's epoch is cut into this many chunks, run in ABBA order (A B C, C B A, ...)."""
+    arms: tuple[str, ...] = DEFAULT_ARMS
     timeout_s: float = 300.0
     """Bound on rendezvous and every collective: a stuck rank fails the demo instead of hanging it."""
 
     def __post_init__(self) -> None:
         positive = ("train_samples", "heldout_samples", "cutoff", "token_budget", "world_size", "vocab_size",
-                    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                    "reference_tokens")
+                    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "rounds")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -57,21 +77,35 @@ class DemoConfig:
             raise ValueError("vocab_size must be >= 2 (unk + one token)")
         if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
             raise ValueError(f"base_lr must be a positive number, got {self.base_lr!r}")
+        if self.reference_tokens is not None and (not isinstance(self.reference_tokens, int)
+                                                  or self.reference_tokens <= 0):
+            raise ValueError(f"reference_tokens must be a positive integer or None, got {self.reference_tokens!r}")
+        if not (0 <= self.warmup_fraction < 1 and 0 < self.final_lr_fraction <= 1):
+            raise ValueError("warmup_fraction must lie in [0, 1) and final_lr_fraction in (0, 1]")
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown or not {"fixed", "evenflow"} <= set(self.arms) or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms must be distinct names from {ARMS} and include 'fixed' (the reference) and "
+                             f"'evenflow', got {self.arms!r}")
         if self.num_workers < 0 or self.timeout_s <= 0:
             raise ValueError("num_workers must be >= 0 and timeout_s > 0")
 
 
 def quick_config(config: DemoConfig | None = None) -> DemoConfig:
-    """A seconds-long variant for tests: 96 chats, cutoff 512, budget 1024 (fixed batch size 2)."""
+    """A seconds-long variant for tests: 96 chats, cutoff 512, budget 1024 (fixed batch size 2), 5 rounds, every arm."""
     return replace(config or DemoConfig(), train_samples=96, heldout_samples=8, cutoff=512, token_budget=1024,
-                   vocab_size=2048, hidden_size=32, intermediate_size=64, num_layers=1)
+                   vocab_size=2048, hidden_size=32, intermediate_size=64, num_layers=1, rounds=5, arms=ARMS)
 
 
-def lr_for_step(config: DemoConfig, step_tokens: int) -> float:
-    """Square-root scaling (the Adam rule): ``base_lr * sqrt(step_tokens / reference_tokens)``.
+def schedule_factor(step: int, total_steps: int, config: DemoConfig) -> float:
+    """The LR schedule in optimizer steps, the same shape for every arm: linear warm-up, then cosine.
 
-    ``step_tokens`` is the step's global supervised-token count, so a step with 4x the tokens takes a 2x
-    larger step. Both runs use this same rule; a step with no supervised token gets 0. Example with the
-    defaults: 4,096 tokens -> 3e-3, 256 tokens -> 7.5e-4.
+    ``step`` counts optimizer steps taken so far (0 = the first). With 100 steps, warm-up 0.05 and final 0.1:
+    step 0 -> 0.2, step 4 -> 1.0, step 99 -> 0.1.
     """
-    return config.base_lr * math.sqrt(max(step_tokens, 0) / config.reference_tokens)
+    warmup = max(1, round(config.warmup_fraction * total_steps)) if config.warmup_fraction else 0
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total_steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    low = config.final_lr_fraction
+    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))

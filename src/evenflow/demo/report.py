@@ -1,144 +1,160 @@
-"""Turn the raw per-rank step records of both runs into metrics, a table, a JSON report and a PNG."""
+"""Raw per-rank records of every arm -> per-arm metrics, time to quality, and the verdict with its spread.
+
+NOTE [ Time model ]
+    ``time_to_target_s`` of an arm = (samples it needs to reach the target held-out loss, read off its quality
+    run's loss-vs-samples curve, linear between evaluations) / (its median samples/s over the interleaved
+    rounds). The target is the ``fixed`` arm's final held-out loss, so for ``fixed`` itself it is the epoch's
+    samples / its median throughput; an arm whose curve never reaches the target gets ``None``. Quality comes
+    from one seeded run per arm and does not depend on the machine's load; only the denominator does, and it
+    is a median over ABBA-interleaved chunks (NOTE [ Interleaved timing ] in evenflow.demo.train).
+"""
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["summarize_run", "format_table", "plot_report", "write_json"]
+__all__ = ["TIME_MODEL", "summarize_arm", "samples_to_target", "add_time_to_target", "verdict",
+           "LOSS_GOAL", "TIME_GOAL"]
 
-RUNS = ("fixed", "evenflow")
+TIME_MODEL = ("time_to_target_s = samples needed to reach the fixed arm's final held-out loss (from the arm's "
+              "quality-run loss-vs-samples curve) / the arm's median samples/s over the ABBA-interleaved rounds")
+LOSS_GOAL = 0.03
+"""Goal: evenflow's final held-out loss within this many nats/token of the best fixed-batching arm."""
+TIME_GOAL = 0.7
+"""Goal: evenflow reaches the fixed arm's final held-out loss in at most this fraction of its time."""
+FIXED_ARMS = ("fixed", "group_by_length")
+LOAD_SLACK = 1.0
+"""Load beyond our own ranks that the figures tolerate before the report warns (one extra busy process)."""
 
 
-def summarize_run(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Metrics of one run from ``{"wall_s", "heldout_loss", "per_rank_steps": [[record, ...] per rank]}``.
+def summarize_arm(raw: Mapping[str, Any], initial_heldout: float) -> dict[str, Any]:
+    """Metrics of one arm from its chunks and per-rank micro-batch records.
 
-    Rank imbalance of a step = max over ranks of its padded tokens / their mean (1.0 = perfectly even; the
-    step waits for the slowest rank). Padded efficiency = real tokens / padded tokens, all ranks and steps.
-    Critical-path CPU time = sum over steps of the slowest rank's CPU time for that step: the epoch time with
-    one dedicated core per rank, which wall time only shows on an otherwise idle machine.
+    Rank imbalance of a micro-step = max over ranks of its cost tokens / their mean (1.0 = perfectly even).
+    Critical-path CPU time = sum over micro-steps of the slowest rank's CPU time: the epoch time with one
+    dedicated core per rank, which wall time only shows on an otherwise idle machine.
     """
-    per_rank = raw["per_rank_steps"]
+    per_rank, chunks = raw["per_rank_steps"], raw["chunks"]
     steps = min(len(r) for r in per_rank)
     if any(len(r) != steps for r in per_rank):
         raise ValueError(f"ranks ran different step counts {[len(r) for r in per_rank]}: the run was not aligned")
     flat = [rec for r in per_rank for rec in r]
-    samples = sum(rec["samples"] for rec in flat)
-    real = sum(rec["real"] for rec in flat)
-    padded = sum(rec["padded"] for rec in flat)
+    samples, real, padded = (sum(rec[k] for rec in flat) for k in ("samples", "real", "padded"))
     imbalance, critical = [], 0.0
     for s in range(steps):
         costs = np.array([r[s]["padded"] for r in per_rank], dtype=np.float64)
         imbalance.append(float(costs.max() / costs.mean()) if costs.mean() else 1.0)
         critical += max(r[s]["cpu_s"] for r in per_rank)
-    wall = float(raw["wall_s"])
+    rates = [c["samples"] / c["wall_s"] for c in chunks if c["wall_s"] > 0 and c["samples"]]
+    median = float(np.median(rates)) if rates else 0.0
     batch_sizes = [rec["samples"] for rec in flat if rec["samples"]]
     return {
-        "wall_s": wall, "steps": steps, "samples": samples, "real_tokens": real, "padded_tokens": padded,
-        "samples_per_s": samples / wall, "real_tokens_per_s": real / wall,
+        "heldout_loss": float(chunks[-1]["heldout"]), "samples_per_s": median,
+        "samples_per_s_per_round": rates, "samples_per_s_min": min(rates, default=0.0),
+        "samples_per_s_max": max(rates, default=0.0),
+        "tokens_per_s": median * real / samples if samples else 0.0,
+        "optimizer_steps": int(raw["optimizer_steps"]), "planned_optimizer_steps": int(raw["planned_steps"]),
+        "micro_batches_per_rank": steps, "samples": samples, "real_tokens": real, "padded_tokens": padded,
         "padded_efficiency": real / padded if padded else 0.0,
         "mean_rank_imbalance": float(np.mean(imbalance)) if imbalance else 1.0,
-        "critical_path_cpu_s": critical, "cpu_s": sum(rec["cpu_s"] for rec in flat),
+        "critical_path_cpu_s": critical, "timed_wall_s": float(sum(c["wall_s"] for c in chunks)),
+        # Whole-epoch rate, next to the median: chunks of length-ordered arms differ in their samples' lengths.
+        "samples_per_s_epoch": samples / max(sum(c["wall_s"] for c in chunks), 1e-9),
         "idle_batches": sum(1 for rec in flat if rec["samples"] == 0),
-        "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
-        "batch_sizes": batch_sizes,
-        "mean_step_loss_tokens": float(np.mean([r["global_tokens"] for r in per_rank[0]])) if steps else 0.0,
-        "mean_lr": float(np.mean([r["lr"] for r in per_rank[0]])) if steps else 0.0,
-        "heldout_loss": float(raw["heldout_loss"]),
+        "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0, "batch_sizes": batch_sizes,
+        "mean_lr": float(np.mean(raw["lrs"])) if raw["lrs"] else 0.0,
+        "curve": {"samples": [0, *np.cumsum([c["samples"] for c in chunks]).tolist()],
+                  "wall_s": [0.0, *np.cumsum([c["wall_s"] for c in chunks]).tolist()],
+                  "heldout_loss": [initial_heldout, *[c["heldout"] for c in chunks]]},
+        "load1_per_round": [c.get("load1") for c in chunks],
     }
 
 
-def format_table(summary: Mapping[str, Mapping[str, Any]], *, fixed_batch_size: int) -> str:
-    """One plain-text table, fixed vs evenflow, plus the verdict lines."""
-    f, e = summary["fixed"], summary["evenflow"]
-    rows = [
-        ("samples/s", f"{f['samples_per_s']:.2f}", f"{e['samples_per_s']:.2f}"),
-        ("real tokens/s", f"{f['real_tokens_per_s']:.0f}", f"{e['real_tokens_per_s']:.0f}"),
-        ("padded efficiency", f"{f['padded_efficiency']:.1%}", f"{e['padded_efficiency']:.1%}"),
-        ("steps", f"{f['steps']}", f"{e['steps']}"),
-        ("mean batch size", f"{f['mean_batch_size']:.1f}", f"{e['mean_batch_size']:.1f}"),
-        ("rank imbalance (max/mean)", f"{f['mean_rank_imbalance']:.2f}", f"{e['mean_rank_imbalance']:.2f}"),
-        ("wall time (s)", f"{f['wall_s']:.1f}", f"{e['wall_s']:.1f}"),
-        ("critical-path CPU time (s)", f"{f['critical_path_cpu_s']:.1f}", f"{e['critical_path_cpu_s']:.1f}"),
-        ("held-out loss / token", f"{f['heldout_loss']:.3f}", f"{e['heldout_loss']:.3f}"),
-    ]
-    head = ("", f"fixed (batch {fixed_batch_size})", "evenflow")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
-    line = "  ".join("-" * w for w in widths)
-    out = [f"{head[0]:<{widths[0]}}  {head[1]:>{widths[1]}}  {head[2]:>{widths[2]}}", line]
-    out += [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
-    out.append(line)
-    out.append(verdict(summary))
-    return "\n".join(out)
+def samples_to_target(samples: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """First point where the curve reaches ``target``, linear between evaluations; ``None`` if it never does.
+
+    >>> samples_to_target([0, 100, 200], [6.0, 5.0, 4.0], 4.5)
+    150.0
+    >>> samples_to_target([0, 100], [6.0, 5.0], 4.9) is None
+    True
+    """
+    for i, loss in enumerate(losses):
+        if loss <= target:
+            if i == 0:
+                return float(samples[0])
+            s0, s1, l0, l1 = samples[i - 1], samples[i], losses[i - 1], losses[i]
+            return float(s0 + (s1 - s0) * (l0 - target) / (l0 - l1))
+    return None
 
 
-def verdict(summary: Mapping[str, Mapping[str, Any]]) -> str:
-    """How much faster, and how the held-out losses compare -- stated, not judged against a tolerance."""
-    f, e = summary["fixed"], summary["evenflow"]
-    speed = e["samples_per_s"] / f["samples_per_s"]
-    faster = f"evenflow is {speed:.2f}x faster" if speed >= 1 else f"evenflow is {1 / speed:.2f}x slower"
-    path = f["critical_path_cpu_s"] / e["critical_path_cpu_s"] if e["critical_path_cpu_s"] else float("nan")
-    diff = e["heldout_loss"] - f["heldout_loss"]
-    return "\n".join([
-        f"{faster} than fixed batching (wall-clock samples/s, same samples and seed)",
-        f"critical path (slowest rank's CPU time per step, summed): {path:.2f}x shorter with evenflow -- the "
-        "speedup with one dedicated core per rank",
-        f"held-out loss per token: evenflow {e['heldout_loss']:.3f} vs fixed {f['heldout_loss']:.3f} "
-        f"({'+' if diff >= 0 else ''}{diff:.3f}) after {e['steps']} vs {f['steps']} optimizer steps",
-    ])
+def add_time_to_target(arms: dict[str, dict[str, Any]]) -> float:
+    """Fill ``time_to_target_s`` and ``samples_to_target`` of every arm (NOTE [ Time model ]); returns the target."""
+    target = arms["fixed"]["heldout_loss"]
+    for name, arm in arms.items():
+        curve = arm["curve"]
+        # fixed reaches its own final loss at the end by definition (not earlier on a noisy curve).
+        needed = curve["samples"][-1] if name == "fixed" else samples_to_target(
+            curve["samples"], curve["heldout_loss"], target)
+        arm["samples_to_target"] = needed
+        arm["time_to_target_s"] = needed / arm["samples_per_s"] if needed is not None and arm["samples_per_s"] else None
+    return target
 
 
-def write_json(path: str, report: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=2, default=_plain)
-        fh.write("\n")
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    arr = np.asarray(values, dtype=np.float64)
+    q1, q3 = np.percentile(arr, [25, 75])
+    return {"median": float(np.median(arr)), "min": float(arr.min()), "max": float(arr.max()),
+            "iqr": [float(q1), float(q3)], "per_round": arr.tolist(), "repeats": int(arr.size)}
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+def verdict(arms: Mapping[str, Mapping[str, Any]], *, load: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """The medians and spreads the README quotes, the goals (met or not) and load warnings."""
+    f, e = arms["fixed"], arms["evenflow"]
+    rounds = min(len(f["samples_per_s_per_round"]), len(e["samples_per_s_per_round"]))
+    ratios = [e["samples_per_s_per_round"][r] / f["samples_per_s_per_round"][r] for r in range(rounds)]
+    out: dict[str, Any] = {"throughput_ratio": _spread(ratios),
+                           "critical_path_ratio": f["critical_path_cpu_s"] / e["critical_path_cpu_s"],
+                           "target_heldout_loss": f["heldout_loss"], "time_model": TIME_MODEL}
+    if e["samples_to_target"] is not None:
+        # Per round: evenflow's time to target over fixed's, both from that round's throughput.
+        times = [(e["samples_to_target"] / e["samples_per_s_per_round"][r])
+                 / (f["samples_to_target"] / f["samples_per_s_per_round"][r]) for r in range(rounds)]
+        out["time_to_target_ratio"] = _spread(times)
+    else:
+        out["time_to_target_ratio"] = None
+    best = min((a for a in FIXED_ARMS if a in arms), key=lambda a: arms[a]["heldout_loss"])
+    gap = e["heldout_loss"] - arms[best]["heldout_loss"]
+    ttt = out["time_to_target_ratio"]
+    out.update(best_fixed_arm=best, heldout_gap_vs_best_fixed=gap, goals={
+        "heldout_within_0.03_of_best_fixed": bool(gap <= LOSS_GOAL),
+        "time_to_target_at_most_0.7x_fixed": bool(ttt is not None and ttt["median"] <= TIME_GOAL)})
+    if "evenflow_no_lr_rule" in arms:
+        out["lr_rule_gain"] = arms["evenflow_no_lr_rule"]["heldout_loss"] - e["heldout_loss"]
+    out["warnings"] = load_warnings(load, ratios, world_size=world_size)
+    out["reliable"] = not out["warnings"]
+    return out
 
 
-def plot_report(path: str, *, lengths: Sequence[int], summary: Mapping[str, Mapping[str, Any]], cutoff: int,
-                token_budget: int) -> None:
-    """Three panels: realized length histogram, per-rank batch sizes, throughput of both runs."""
-    import matplotlib
+def load_warnings(load: Mapping[str, Any], ratios: Sequence[float], *, world_size: int) -> list[str]:
+    """Why the wall-clock figures may not be trusted on this run (empty: no reason seen)."""
+    warnings = []
+    cores, peak = load["cores"], max([x for x in load["load1_during"] if x is not None] or [0.0])
+    if cores is not None and cores < world_size:
+        warnings.append(f"{cores} cores for {world_size} ranks: the ranks time-share, wall-clock figures understate "
+                        "what dedicated cores would give (the critical-path ratio does not)")
+    if peak > world_size + LOAD_SLACK:
+        warnings.append(f"load average reached {peak:.1f} on {cores} cores while {world_size} ranks trained: other "
+                        "processes competed for the CPU, so the wall-clock throughput and time-to-target figures "
+                        "are unreliable (the held-out losses and the critical-path ratio are not affected)")
+    if ratios and max(ratios) / min(ratios) > 1.5:
+        warnings.append(f"the per-round throughput ratio ranged {min(ratios):.2f}-{max(ratios):.2f}x: the machine's "
+                        "speed changed during the run; trust the median, not single rounds")
+    return warnings
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    colors = {"fixed": "#bbbbbb", "evenflow": "#4477aa"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    arr = np.asarray(lengths)
-    axes[0].hist(arr, bins=np.geomspace(max(1, arr.min()), arr.max() + 1, 40), color=colors["evenflow"])
-    axes[0].set_xscale("log")
-    axes[0].axvline(cutoff, color="#cc6677", linestyle="--", label=f"cutoff {cutoff}")
-    axes[0].set(title=f"realized lengths ({arr.size} chats)", xlabel="tokens", ylabel="samples")
-    axes[0].legend()
-
-    biggest = max(max(summary[r]["batch_sizes"] or [1]) for r in RUNS)
-    bins = np.arange(0.5, biggest + 1.5, max(1, biggest // 40))
-    for run in RUNS:
-        axes[1].hist(summary[run]["batch_sizes"], bins=bins, alpha=0.75, color=colors[run], label=run)
-    axes[1].set(title=f"batch sizes per rank (budget {token_budget} tokens)", xlabel="samples per batch",
-                ylabel="batches")
-    axes[1].set_yscale("log")
-    axes[1].legend()
-
-    speeds = [summary[r]["samples_per_s"] for r in RUNS]
-    bars = axes[2].bar(RUNS, speeds, color=[colors[r] for r in RUNS])
-    for bar, run in zip(bars, RUNS):
-        axes[2].annotate(f"{summary[run]['samples_per_s']:.1f} samples/s\n"
-                         f"{summary[run]['real_tokens_per_s']:.0f} tokens/s",
-                         (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-    axes[2].set(title="throughput (one epoch, same samples)", ylabel="samples/s")
-    axes[2].set_ylim(0, max(speeds) * 1.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,19 +1,31 @@
-"""One rank of the demo: the same tiny Qwen3 model trained for one epoch with evenflow, then with fixed batches.
+"""One rank of the demo: every arm trains the same tiny Qwen3 model for one epoch, in interleaved timed chunks.
 
-Both runs share everything but the batching: the model init (seeded), AdamW, the learning-rate rule
-(:func:`~evenflow.demo.config.lr_for_step`), gradient clipping, DDP over gloo, one DataLoader worker per rank,
-and the exact global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every rank
-backpropagates ``sum_loss_r * W / T_tok`` so DDP's gradient average is the per-token mean of the whole step.
-The fixed run gets ``T_tok`` from one all_reduce per step (what HF's ``average_tokens_across_devices`` does);
-evenflow's StepInfo carries it.
+The arms share everything but the batching (evenflow.demo.arms): the model init (seeded), AdamW, the LR
+schedule in optimizer steps (:func:`~evenflow.demo.config.schedule_factor`) under the token LR rule
+(:class:`evenflow.TokenLRScaler`, one reference for all arms), gradient clipping, DDP over gloo, one DataLoader
+worker per rank, and the exact global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every
+rank backpropagates ``sum_loss_r * W / T_window`` so DDP's gradient average is the per-token mean of the whole
+optimizer step.
+
+NOTE [ Interleaved timing ]
+    Each arm's epoch is cut into ``rounds`` chunks of optimizer steps. Round r runs one chunk of every arm, in
+    forward order on even rounds and reversed on odd ones (A B C, C B A, ...), each chunk between two barriers.
+    A load burst on the shared machine then hits every arm about equally instead of whichever ran second, and
+    each round gives one throughput sample per arm. The model, optimizer and loader of every arm live on
+    across chunks, so quality is still one seeded full run per arm: interleaving changes the timing, not the
+    training. Held-out evaluations between chunks are not timed. Caveat: a paused arm's loader workers may
+    prepare their next batches while another arm is timed (about 1-2 ms of tokenization per chat, against
+    tens of ms of training).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -21,17 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
+from ..lr import TokenLRScaler
 from ..planning.loss import IGNORE_INDEX
-from ..runtime import DynamicBatchLoader, PadCollate, pop_step_info, scale_loss
-from .config import DemoConfig, lr_for_step
+from .arms import PAD_ID, Window, arm_windows, batch_cost, planned_steps
+from .config import DemoConfig, schedule_factor
+from .plan import Matching
 from .prepare import DemoData
 
-__all__ = ["rank_main", "build_model"]
+__all__ = ["rank_main", "build_model", "sum_loss", "ArmRun"]
 
-PAD_ID = 0
-"""Dense id used for padding (the remap's unk); padded positions are labelled -100."""
 LOGIT_CHUNK = 512
 """Supervised positions per lm_head + cross-entropy chunk (512 x 4,096 fp32 logits = 8 MB)."""
 
@@ -45,23 +56,29 @@ def build_model(config: DemoConfig, vocab_size: int) -> torch.nn.Module:
                                intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
                                num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
                                head_dim=config.hidden_size // config.num_heads, max_position_embeddings=config.cutoff,
-                               tie_word_embeddings=True, pad_token_id=PAD_ID, bos_token_id=None, eos_token_id=None)
+                               tie_word_embeddings=True, pad_token_id=PAD_ID, bos_token_id=None, eos_token_id=None,
+                               use_cache=False)
     return Qwen3ForCausalLM(model_config)
 
 
-def _sum_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+def sum_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over supervised positions, and their count.
 
-    Two CPU-efficiency choices, the same for both runs and exact:
+    Three CPU-efficiency choices, the same for every arm and exact:
 
-    * No attention mask. Batches are right-padded and attention is causal, so a real token never attends to
-      a pad (pads come after it); the mask would change only the pads' outputs, which the loss ignores.
-      Without it, SDPA takes its fused causal path instead of materializing a ``[B, H, T, T]`` mask.
+    * No attention mask for padded batches. They are right-padded and attention is causal, so a real token
+      never attends to a pad (pads come after it); the mask would change only the pads' outputs, which the
+      loss ignores. Without it, SDPA takes its fused causal path instead of materializing a ``[B, H, T, T]`` mask.
+    * A packed batch (``position_ids``, no mask) gets HF's block-diagonal mask from the restarting positions,
+      with ``use_cache=False`` (NOTE [ Packing and the KV cache ] in evenflow.runtime.collate).
     * Logits only where a label is supervised, ``LOGIT_CHUNK`` rows at a time: a 4,096-token batch would
       otherwise hold 4,096 x vocab fp32 logits at once, which on CPU costs more in memory traffic than in math.
     """
     unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
-    hidden = model(input_ids=batch["input_ids"], logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX
     # Start from 0 * sum(hidden), not a constant: a batch with no supervised token (an IDLE placeholder, or a
@@ -74,90 +91,75 @@ def _sum_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     return loss, int(targets.numel())
 
 
-def _fixed_steps(data: DemoData, config: DemoConfig, batch_size: int, rank: int) -> Iterator[tuple[dict, dict]]:
-    """Fixed-size batches from a DistributedSampler; one all_reduce per step for the global token count."""
-    sampler = DistributedSampler(data.train, num_replicas=config.world_size, rank=rank, shuffle=True,
-                                 seed=config.seed, drop_last=False)
-    loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, num_workers=config.num_workers,
-                        collate_fn=PadCollate(pad_token_id=PAD_ID))
-    for batch in loader:
-        local = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        counts = torch.tensor([local, batch["input_ids"].shape[0]], dtype=torch.long)
-        dist.all_reduce(counts)
-        yield batch, {"idle": False, "global_tokens": int(counts[0]), "global_samples": int(counts[1])}
+class ArmRun:
+    """One arm on one rank: model, optimizer, schedule, LR rule and its window stream, advanced chunk by chunk."""
+
+    def __init__(self, arm: str, data: DemoData, config: DemoConfig, matching: Matching, rank: int) -> None:
+        self.arm = arm
+        self.config = config
+        self.total_steps = planned_steps(arm, matching)
+        self.model = build_model(config, data.vocab_size)
+        self.ddp = DistributedDataParallel(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda step: schedule_factor(step, self.total_steps, config))
+        scaling = "none" if arm == "evenflow_no_lr_rule" else config.lr_scaling
+        self.scaler = TokenLRScaler(self.opt, scaling=scaling, reference_tokens=matching.reference_tokens)
+        self.windows: Iterator[Window] = arm_windows(arm, data, config, matching, rank)
+        self.steps = 0
+        self.records: list[dict] = []
+        """Per micro-batch: samples, real/cost tokens, loss sum, CPU seconds."""
+        self.lrs: list[float] = []
+        """The LR every optimizer step used (schedule x rule)."""
+        self.exhausted = False
+
+    def run_chunk(self, max_steps: int | None) -> dict[str, Any]:
+        """Up to ``max_steps`` optimizer steps (``None``: to the end of the epoch), timed between barriers."""
+        dist.barrier()
+        start, samples, taken = time.perf_counter(), 0, 0
+        while max_steps is None or taken < max_steps:
+            window = next(self.windows, None)
+            if window is None:
+                self.exhausted = True
+                break
+            self._step(window)
+            samples += window.global_samples
+            taken += 1
+        dist.barrier()
+        return {"wall_s": time.perf_counter() - start, "samples": samples, "steps": taken}
+
+    def _step(self, window: Window) -> None:
+        factor = self.config.world_size / window.global_tokens if window.global_tokens else 0.0
+        for i, micro in enumerate(window.micros):
+            # CPU time of this thread (forward, backward, optimizer; not time spent waiting for a peer rank or
+            # for the CPU itself): the per-rank work of the step, robust to other load on a shared machine.
+            cpu_start = time.thread_time()
+            last = i == len(window.micros) - 1
+            with self.ddp.no_sync() if not last else nullcontext():
+                loss, tokens = sum_loss(self.ddp, micro.batch)
+                (loss * (0.0 if micro.idle else factor)).backward()
+            if last:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                self.scaler.observe(window.global_tokens)
+                self.opt.step()
+                self.lrs.append(self.scaler.last_lrs[0])
+                self.opt.zero_grad(set_to_none=True)
+                self.schedule.step()
+            real, cost = batch_cost(micro.batch)
+            self.records.append({"samples": micro.samples, "real": 0 if micro.idle else real, "padded": cost,
+                                 "loss_tokens": 0 if micro.idle else tokens, "loss_sum": loss.item(),
+                                 "cpu_s": time.thread_time() - cpu_start})
+        self.steps += 1
 
 
-def _evenflow_steps(data: DemoData, config: DemoConfig) -> Iterator[tuple[dict, dict]]:
-    loader = DynamicBatchLoader(data.train, token_budget=config.token_budget, num_workers=config.num_workers,
-                                seed=config.seed, shuffle=True, pad_token_id=PAD_ID,
-                                timeout=timedelta(seconds=config.timeout_s))
-    try:
-        for batch in loader:
-            info = pop_step_info(batch)
-            yield batch, {"idle": info.is_idle, "global_tokens": info.window_loss_tokens,
-                          "global_samples": info.global_samples, "info": info}
-    finally:
-        loader.close()
-
-
-def _run_epoch(mode: str, data: DemoData, config: DemoConfig, rank: int, fixed_batch_size: int,
-               progress: bool) -> dict[str, Any]:
-    model = build_model(config, data.vocab_size)
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    steps = _fixed_steps(data, config, fixed_batch_size, rank) if mode == "fixed" else _evenflow_steps(data, config)
-    bar = _progress_bar(mode, len(data.train), enabled=progress and rank == 0)
-    records = []
-    dist.barrier()
-    start = time.perf_counter()
-    for batch, meta in steps:
-        lr = lr_for_step(config, meta["global_tokens"])
-        for group in opt.param_groups:
-            group["lr"] = lr
-        # CPU time of this thread (forward, backward, optimizer; not time spent waiting for a peer rank or
-        # for the CPU itself): the per-rank work of the step, robust to other load on a shared machine.
-        cpu_start = time.thread_time()
-        sum_loss, local_tokens = _sum_loss(ddp, batch)
-        if mode == "fixed":
-            factor = config.world_size / meta["global_tokens"] if meta["global_tokens"] else 0.0
-            scaled = sum_loss * factor
-        else:
-            scaled = scale_loss(sum_loss, meta["info"], reduction="sum")
-        opt.zero_grad(set_to_none=True)
-        scaled.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        opt.step()
-        cpu = time.thread_time() - cpu_start
-        rows, width = batch["input_ids"].shape
-        real = 0 if meta["idle"] else int(batch["attention_mask"].sum())
-        records.append({"samples": 0 if meta["idle"] else rows, "real": real, "padded": rows * width,
-                        "loss_tokens": 0 if meta["idle"] else local_tokens, "loss_sum": sum_loss.item(),
-                        "global_tokens": meta["global_tokens"], "lr": lr, "cpu_s": cpu})
-        if bar is not None:
-            bar.update(meta["global_samples"])
-            if local_tokens:
-                bar.set_postfix(loss=f"{records[-1]['loss_sum'] / local_tokens:.3f}", refresh=False)
-    dist.barrier()
-    wall = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    heldout = _heldout_loss(model, data, rank, config.world_size)
-    gathered: list[Any] = [None] * config.world_size
-    dist.all_gather_object(gathered, records)
-    return {"wall_s": wall, "heldout_loss": heldout, "per_rank_steps": gathered,
-            "model_parameters": sum(p.numel() for p in model.parameters())}
-
-
-def _heldout_loss(model: torch.nn.Module, data: DemoData, rank: int, world: int) -> float:
+def heldout_loss(model: torch.nn.Module, data: DemoData, rank: int, world: int) -> float:
     """Per-token loss over the held-out samples (one sample per forward, no padding), all ranks summed."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(rank, len(data.heldout), world):
             sample = data.heldout[i]
-            ids = sample["input_ids"][None]
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": sample["labels"][None]}
-            loss, tokens = _sum_loss(model, batch)
+            loss, tokens = sum_loss(model, {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]})
             total += torch.tensor([loss.item(), tokens], dtype=torch.float64)
     dist.all_reduce(total)
     model.train()
@@ -166,32 +168,60 @@ def _heldout_loss(model: torch.nn.Module, data: DemoData, rank: int, world: int)
 
 def _warm_up(config: DemoConfig, data: DemoData) -> None:
     """One untimed forward/backward on a throwaway model and one pipeline call, so one-time costs (lazy
-    imports in transformers, kernel selection, tokenizer load) land in neither run's timing."""
+    imports in transformers, kernel selection, tokenizer load) land in no arm's timing."""
     sample = data.train[0]
-    model = build_model(config, data.vocab_size)
-    loss, _ = _sum_loss(model, {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]})
+    loss, _ = sum_loss(build_model(config, data.vocab_size),
+                       {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]})
     loss.backward()
 
 
-def _progress_bar(mode: str, total: int, *, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
+def chunk_bounds(total: int, rounds: int) -> list[int]:
+    """Optimizer steps per chunk: ``total`` split as evenly as possible; ``None`` (drain) for the last.
 
-    return tqdm(total=total, desc=f"{mode:>8}", unit="sample", file=sys.stderr, dynamic_ncols=True, leave=True)
+    >>> chunk_bounds(10, 4)
+    [2, 3, 3, None]
+    """
+    edges = [round(total * (r + 1) / rounds) for r in range(rounds)]
+    sizes = [b - a for a, b in zip([0, *edges], edges)]
+    return [*sizes[:-1], None]
 
 
-def rank_main(rank: int, config: DemoConfig, data: DemoData, rendezvous: str, result_path: str,
-              fixed_batch_size: int, progress: bool) -> None:
-    """Entry point of one spawned rank: both runs, then rank 0 writes the raw results as JSON."""
+def _interleaved(runs: list[ArmRun], data: DemoData, config: DemoConfig, rank: int,
+                 progress: bool) -> dict[str, Any]:
+    """NOTE [ Interleaved timing ]: every arm's epoch in ``rounds`` chunks, ABBA order, evaluated between."""
+    initial = heldout_loss(runs[0].model, data, rank, config.world_size)  # every arm starts from this init
+    chunks: dict[str, list[dict]] = {run.arm: [] for run in runs}
+    plans = {run.arm: chunk_bounds(run.total_steps, config.rounds) for run in runs}
+    for r in range(config.rounds):
+        for run in runs if r % 2 == 0 else runs[::-1]:
+            chunk = run.run_chunk(plans[run.arm][r])
+            chunk.update(round=r, load1=os.getloadavg()[0],
+                         heldout=heldout_loss(run.model, data, rank, config.world_size))
+            chunks[run.arm].append(chunk)
+            if progress and rank == 0:
+                print(f"  round {r + 1}/{config.rounds} {run.arm:<20} {chunk['samples'] / chunk['wall_s']:6.2f} "
+                      f"samples/s  held-out {chunk['heldout']:.3f}", file=sys.stderr, flush=True)
+    return {"initial_heldout": initial, "chunks": chunks}
+
+
+def rank_main(rank: int, config: DemoConfig, data: DemoData, matching: Matching, rendezvous: str,
+              result_path: str, progress: bool) -> None:
+    """Entry point of one spawned rank: all arms, interleaved; then rank 0 writes the raw results as JSON."""
     torch.set_num_threads(1)  # one core per rank: the ranks, not intra-op threads, share the CPU
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=config.world_size, timeout=timedelta(seconds=config.timeout_s))
     try:
         _warm_up(config, data)
-        # evenflow runs first: whatever the second run still gains from warm caches goes to the baseline.
-        results = {mode: _run_epoch(mode, data, config, rank, fixed_batch_size, progress)
-                   for mode in ("evenflow", "fixed")}
+        runs = [ArmRun(arm, data, config, matching, rank) for arm in config.arms]
+        timing = _interleaved(runs, data, config, rank, progress)
+        results = {"initial_heldout": timing["initial_heldout"], "arms": {}}
+        for run in runs:
+            gathered: list[Any] = [None] * config.world_size
+            dist.all_gather_object(gathered, run.records)
+            results["arms"][run.arm] = {"chunks": timing["chunks"][run.arm], "per_rank_steps": gathered,
+                                        "optimizer_steps": run.steps, "planned_steps": run.total_steps,
+                                        "lrs": run.lrs, "exhausted": run.exhausted}
+        results["model_parameters"] = sum(p.numel() for p in runs[0].model.parameters())
         if rank == 0:
             with open(result_path, "w", encoding="utf-8") as f:
                 json.dump(results, f)

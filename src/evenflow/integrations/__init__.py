@@ -1,7 +1,8 @@
 """Trainer integrations. Framework modules import their framework, so import them by name:
 
 - hf.py          -- ``DynamicBatchTrainer``: transformers.Trainer with evenflow batches (extra ``hf``)
-- hf_epochs.py   -- how HF's epoch loop is fitted onto evenflow epochs (train iterable + callback)
+- hf_epochs.py   -- how HF's epoch loop is fitted onto evenflow epochs (train iterable, callbacks, progress bound)
+- trl.py         -- ``DynamicBatchSFTTrainer``: TRL's SFTTrainer with evenflow batches (extra ``trl``)
 - accelerate.py  -- ``device_batches``, ``sync_window``, ``LoaderCheckpoint``: loader kept out of ``prepare``
 - lightning.py   -- ``DynamicBatchDataModule``, ``EvenflowCallback``, ``training_loss`` (extra ``lightning``)
 - evaluation.py  -- ``eval_loader`` (no shuffle, every sample once), ``evaluate_loss`` (exact per-token loss)

@@ -40,7 +40,19 @@ NOTE [ HF Trainer contract ]
     ``num_train_epochs`` the horizon HF computes is the upper bound, and a warning says so.
 
     Not used: ``per_device_train_batch_size`` (the token budget sizes batches), ``dataloader_drop_last`` (evenflow
-    never drops), ``group_by_length`` / ``train_sampling_strategy`` (evenflow groups by realized length).
+    never drops), ``group_by_length`` / ``train_sampling_strategy`` (evenflow groups by realized length); the
+    first three warn once, at the caller, when set away from HF's default.
+
+    Metrics. ``state.epoch`` is the loader epoch + samples done / N (map-style join mode; exact, not HF's
+    batches / bound). ``state.max_steps`` -- HF's progress-bar total and its stop bound -- is refreshed after
+    every optimizer step to a still-valid upper bound (steps taken + what the loader's tightening bound leaves
+    + whole epochs to come) and set to the steps taken when the run ends; under ``max_steps`` it is exact from
+    the start. An ``IterableDataset`` has no length: HF needs ``max_steps`` and shows that. The final
+    ``train_samples_per_second`` counts the samples trained (StepInfo), ``train_tokens_per_second`` and
+    ``train_loss_tokens_per_second`` are added. After a mid-epoch resume the epoch fraction restarts from the
+    resumed position's count (known limitation).
+    Packing: padding-free rows (``position_ids`` without ``attention_mask``) always reach the model with
+    ``use_cache=False`` (NOTE [ Packing and the KV cache ] in evenflow.runtime.collate).
     Known HF behaviour kept as is: ``train_loss`` in the final metrics adds this rank's unreduced share for the
     steps after the last log (HF does the same with its own token averaging); the logged ``loss`` values are exact.
     ``num_input_tokens_seen`` counts IDLE placeholder tokens too. Hyperparameter search (``trial``) is untested.
@@ -49,7 +61,9 @@ NOTE [ HF Trainer contract ]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
+import sys
 import json
 import os
 import time
@@ -60,24 +74,29 @@ from typing import Any
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
     from transformers.trainer_utils import get_last_checkpoint
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("evenflow.integrations.hf needs transformers and accelerate: pip install 'evenflow[hf]'"
                       ) from exc
 
+from ..lr import TokenLRRule, TokenLRScaler
 from ..planning.loss import LossTokenRule
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo
 from .evaluation import eval_loader, evaluate_loss
-from .hf_epochs import LOADER_STATE_FILE, EpochCallback, TrainBatches
+from .hf_epochs import LOADER_STATE_FILE, BoundProgressCallback, EpochCallback, TrainBatches
 from .metrics import StepMetrics
 
 __all__ = ["DynamicBatchTrainer", "LOADER_STATE_FILE"]
 
 # Schedules whose shape does not depend on the total number of steps (exact under num_train_epochs too).
 _HORIZON_FREE = {"constant", "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau"}
-_LOADER_PARAMS = frozenset(inspect.signature(DynamicBatchLoader.__init__).parameters) - {"self", "dataset"}
+_LOADER_PARAMS = frozenset(name for name, p in inspect.signature(DynamicBatchLoader.__init__).parameters.items()
+                           if p.kind is p.KEYWORD_ONLY)
+# Padding-free kwargs HF models take through ``**kwargs`` (flash attention), kept by the column filter.
+_PACKING_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 
 
 class DynamicBatchTrainer(Trainer):
@@ -88,7 +107,9 @@ class DynamicBatchTrainer(Trainer):
     ``TrainingArguments`` (``dataloader_num_workers``, ``dataloader_pin_memory``, ``dataloader_persistent_workers``,
     ``dataloader_prefetch_factor``, ``dataloader_multiprocessing_context``, ``data_seed``/``seed``); an explicit
     ``data_collator`` is the loader's ``collate_fn``. ``eval_token_budget`` makes :meth:`evaluate` use evenflow
-    batching and report the exact per-token loss. See NOTE [ HF Trainer contract ] for units, loss, epochs and
+    batching and report the exact per-token loss. ``lr_scaling="sqrt"`` / ``"linear"`` (or a
+    :class:`evenflow.TokenLRRule`) scales every optimizer step's LR by its window's global supervised tokens
+    (evenflow.lr; the scaler is ``trainer.lr_scaler``). See NOTE [ HF Trainer contract ] for units, loss, epochs and
     resume.
 
     The per-step :class:`~evenflow.integrations.metrics.StepMetrics` are added to every training log
@@ -98,7 +119,8 @@ class DynamicBatchTrainer(Trainer):
     # compute_loss returns the loss already normalized over the whole accumulation window and all ranks.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, token_budget: int, eval_token_budget: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, token_budget: int, eval_token_budget: int | None = None,
+                 lr_scaling: TokenLRRule | str | None = None, **kwargs: Any) -> None:
         if "loss_is_scaled_for_ga" not in vars(Trainer) or "get_batch_samples" not in vars(Trainer):
             raise ImportError("DynamicBatchTrainer needs a transformers Trainer with `loss_is_scaled_for_ga` and "
                               "`get_batch_samples` (written against 5.24); without them HF would divide the loss by "
@@ -122,13 +144,23 @@ class DynamicBatchTrainer(Trainer):
             self.args.ignore_data_skip = True
         self.token_budget = token_budget
         self.eval_token_budget = eval_token_budget
+        self.lr_rule = TokenLRRule.coerce(lr_scaling)
+        self.lr_scaler: TokenLRScaler | None = None
         self.loader_options = options
         self.evenflow_metrics = StepMetrics()
         self.train_batches: TrainBatches | None = None
         self._resume_dir: str | None = None
         self._eval_loaders: dict = {}
+        _warn_ignored_arguments(self.args)
         self._forward_keys = self._model_input_names()
+        forward = self.accelerator.unwrap_model(self.model).forward
+        self._takes_use_cache = "use_cache" in inspect.signature(forward).parameters
         self.add_callback(EpochCallback(self))
+        if any(isinstance(cb, ProgressCallback) for cb in self.callback_handler.callbacks):
+            # HF's bar sizes itself once from the first bound; ours follows the bound as it tightens (after
+            # EpochCallback, which refreshes state.max_steps).
+            self.remove_callback(ProgressCallback)
+            self.add_callback(BoundProgressCallback)
 
     # -- data --------------------------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
@@ -184,7 +216,8 @@ class DynamicBatchTrainer(Trainer):
             with open(path) as f:
                 batches.load(json.load(f))
         self.train_batches = batches
-        self.evenflow_metrics = StepMetrics()
+        join = loader.config.alignment.join
+        self.evenflow_metrics = StepMetrics(epoch_samples=len(self.train_dataset) if epoch_mode and join else None)
         return batches
 
     def close_train_loader(self) -> None:
@@ -210,7 +243,25 @@ class DynamicBatchTrainer(Trainer):
         if not infos[-1].window_end:
             raise RuntimeError("evenflow: HF's accumulation chunk does not end on an evenflow window boundary; "
                                "gradient_accumulation_steps must not change after the trainer was built")
+        if self.lr_scaler is not None:
+            self.lr_scaler.observe(infos[0].window_loss_tokens)  # the coming optimizer step's LR factor
         return batches, infos[0].window_loss_tokens
+
+    def create_optimizer(self, model=None):
+        """``Trainer.create_optimizer``; with ``lr_scaling`` also attaches the token LR rule (evenflow.lr) to it.
+
+        The rule scales each optimizer step's LR by the window's global supervised tokens relative to
+        ``reference_tokens`` (default ``token_budget x world_size x gradient_accumulation_steps``); HF's scheduler
+        keeps stepping the unscaled LR.
+        """
+        optimizer = super().create_optimizer(model)
+        if self.lr_rule is not None and (self.lr_scaler is None or self.lr_scaler.optimizer is not optimizer):
+            if self.lr_scaler is not None:
+                self.lr_scaler.remove()
+            reference = self.lr_rule.resolve(token_budget=self.token_budget, world_size=self.args.world_size,
+                                             grad_accum_steps=self.args.gradient_accumulation_steps)
+            self.lr_scaler = TokenLRScaler(optimizer, scaling=self.lr_rule.scaling, reference_tokens=reference)
+        return optimizer
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _model_input_names(self) -> frozenset | None:
@@ -219,12 +270,15 @@ class DynamicBatchTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         params = inspect.signature(model.forward).parameters.values()
         named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        return frozenset(named | set(self.label_names) | {"label", "label_ids"})
+        return frozenset(named | set(self.label_names) | {"label", "label_ids"} | _PACKING_KEYS)
 
     def _model_inputs(self, inputs: Mapping) -> dict:
-        if self._forward_keys is None:
-            return dict(inputs)
-        return {k: v for k, v in inputs.items() if k in self._forward_keys}
+        out = dict(inputs) if self._forward_keys is None else {k: v for k, v in inputs.items() if k in self._forward_keys}
+        if self._takes_use_cache and "position_ids" in out and "attention_mask" not in out and "use_cache" not in out:
+            # A packed row from a user collator: without this HF builds a KV cache, skips its packed-sequence
+            # detection and lets the sequences attend to each other (NOTE [ Packing and the KV cache ]).
+            out["use_cache"] = False
+        return out
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This rank's share of the exact global per-token loss (NOTE [ HF Trainer contract ])."""
@@ -232,6 +286,7 @@ class DynamicBatchTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         info: StepInfo = inputs[STEP_INFO_KEY]
+        info.mark_scaled()  # the loss below is scaled by it (NOTE [ Misuse is loud ])
         inputs = self._model_inputs({k: v for k, v in inputs.items() if k != STEP_INFO_KEY})
         if model.training:
             self.evenflow_metrics.update(info)
@@ -259,9 +314,22 @@ class DynamicBatchTrainer(Trainer):
 
     # -- logging, training entry, evaluation ------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the evenflow step metrics of the logging interval to training logs."""
+        """Add the evenflow step metrics of the logging interval to training logs; honest end-of-train speeds.
+
+        HF's ``train_samples_per_second`` assumes ``per_device_train_batch_size`` samples per micro-batch; here
+        it is the samples actually trained (all ranks, from the StepInfo) / ``train_runtime``, and
+        ``train_tokens_per_second`` / ``train_loss_tokens_per_second`` are added the same way.
+        """
         if "loss" in logs:
             logs = {**logs, **self.evenflow_metrics.summary()}
+        batches = self.train_batches
+        runtime = logs.get("train_runtime")
+        if runtime and batches is not None:
+            done = batches.trained
+            logs = {**logs, "train_samples_per_second": round(done["samples"] / runtime, 3),
+                    "train_tokens_per_second": round(done["real_tokens"] / runtime, 3),
+                    "train_loss_tokens_per_second": round(done["loss_tokens"] / runtime, 3),
+                    "train_samples": done["samples"]}
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
@@ -308,6 +376,33 @@ class DynamicBatchTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+
+# TrainingArguments that size or shape fixed batches; evenflow's token budget replaces them.
+_IGNORED_ARGS = {"per_device_train_batch_size": "token_budget sizes each batch",
+                 "dataloader_drop_last": "evenflow trains every sample exactly once, it never drops",
+                 "group_by_length": "evenflow groups by realized length already"}
+
+
+def _warn_ignored_arguments(args) -> None:
+    """One warning, pointing at the user's call, for fixed-batch arguments set away from HF's default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    changed = [f"{name}={getattr(args, name)!r} ({why})" for name, why in _IGNORED_ARGS.items()
+               if hasattr(args, name) and getattr(args, name) != defaults.get(name)]
+    if changed:
+        warnings.warn("DynamicBatchTrainer ignores " + "; ".join(changed) + ". Batches are formed by evenflow under "
+                      "token_budget", UserWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """Stack level of the first frame outside evenflow, transformers and trl (the user's constructor call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.split(".")[0] in ("evenflow", "transformers", "trl"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _mean_loss(outputs) -> torch.Tensor:

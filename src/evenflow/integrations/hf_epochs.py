@@ -15,12 +15,13 @@ import os
 from collections.abc import Mapping
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo
 
-__all__ = ["TrainBatches", "EpochCallback", "LOADER_STATE_FILE"]
+__all__ = ["TrainBatches", "EpochCallback", "BoundProgressCallback", "LOADER_STATE_FILE"]
 
 logger = logging.getLogger("evenflow")
 
@@ -45,6 +46,10 @@ class TrainBatches:
         self.epoch = 0
         """The next loader epoch to run (advanced when one is exhausted)."""
         self.last_info: StepInfo | None = None
+        self.samples_done = 0
+        """Samples of the current epoch handed out so far, over all ranks (from ``StepInfo.global_samples``)."""
+        self.trained = {"samples": 0, "real_tokens": 0, "loss_tokens": 0}
+        """Totals over all ranks since construction, from the StepInfo of every batch (padding copies count 0)."""
         self._active = None   # the generator HF is consuming
         self._inner = None    # the loader's iterator while an epoch is in flight
 
@@ -68,10 +73,12 @@ class TrainBatches:
             self.loader.set_epoch(epoch)
             self._inner = iter(self.loader)
             steps, window, last = 0, 0, None
+            self.samples_done = 0
             for batch in self._inner:
                 info = batch[STEP_INFO_KEY]
                 steps, window, last = steps + 1, window + 1, batch
                 self.last_info = info
+                self._count(info)
                 yield batch
                 if info.window_end:
                     window_len, window = window, 0
@@ -89,8 +96,11 @@ class TrainBatches:
         ``loss_scale = 0``, so the third window reaches HF's sync point and is applied, unchanged.
         """
         info: StepInfo = last[STEP_INFO_KEY]
+        # Nothing is trained by these copies on any rank: every count is 0, so metrics do not count them twice.
         pad = dataclasses.replace(info, is_idle=True, local_samples=0, local_loss_tokens=0, loss_scale=0.0,
-                                  padded_tokens=0, real_tokens=0, sample_ids=[], window_end=True)
+                                  padded_tokens=0, real_tokens=0, sample_ids=[], window_end=True, global_samples=0,
+                                  global_loss_tokens=0, global_real_tokens=0, max_padded_tokens=0,
+                                  mean_padded_tokens=0.0)
         for _ in range(-window_len % self.accum):
             yield {**last, STEP_INFO_KEY: pad}
 
@@ -112,12 +122,41 @@ class TrainBatches:
             inner.close()
         self.epoch += 1
 
+    def _count(self, info: StepInfo) -> None:
+        self.samples_done += info.global_samples
+        self.trained["samples"] += info.global_samples
+        self.trained["real_tokens"] += info.global_real_tokens
+        self.trained["loss_tokens"] += info.global_loss_tokens
+
     def epoch_float(self) -> float:
-        """Loader epoch + fraction done, for ``TrainerState.epoch``."""
+        """Loader epoch + fraction of its samples handed out, for ``TrainerState.epoch``.
+
+        Map-style join mode: each sample of the epoch is trained exactly once, so samples done / N is exact (HF's
+        "batches done / len" is not: ``len`` is only an upper bound, and the epoch would jump from 0.1 to 1.0).
+        Otherwise (quota mode, iterable) the step bound gives the fraction.
+        """
         info = self.last_info
         if info is None or info.epoch != self.epoch or self._inner is None:
             return float(self.epoch)
+        if self.loader.config.alignment.join and hasattr(self.loader.dataset, "__len__") and len(self.loader.dataset):
+            return info.epoch + min(self.samples_done / len(self.loader.dataset), 1.0)
         return info.epoch + min((info.step + 1) / info.steps_bound, 1.0) if info.steps_bound > 0 else float(info.epoch)
+
+    def max_steps_bound(self, global_step: int) -> int | None:
+        """Upper bound on the run's optimizer steps at ``global_step``, from the latest StepInfo; None under max_steps.
+
+        Steps taken, plus the windows the current epoch can still hold (``ceil((steps_bound - steps done) /
+        accum)``; the loader's bound tightens as lengths are seen), plus ``ceil(len(self) / accum)`` for every
+        epoch still to come. Called at the end of an optimizer step, i.e. on a window boundary.
+        """
+        if not self.sized or self.max_epochs is None:
+            return None
+        per_epoch = -(-len(self) // self.accum)
+        info = self.last_info
+        open_epoch = self._inner is not None and info is not None and info.epoch == self.epoch
+        left = -(-max(info.steps_bound - (info.step + 1), 0) // self.accum) if open_epoch else 0
+        ahead = self.max_epochs - self.epoch - (1 if open_epoch else 0)
+        return global_step + left + max(ahead, 0) * per_epoch
 
     def state(self) -> dict:
         return {"version": _STATE_FILE_VERSION, "loader": self.loader.state_dict()}
@@ -149,6 +188,10 @@ class EpochCallback(TrainerCallback):
         batches = self.trainer.train_batches
         if batches is not None:
             state.epoch = batches.epoch_float()
+            bound = batches.max_steps_bound(state.global_step)
+            if bound is not None:
+                # Still an upper bound (HF's flow callback stops at it), now tightened: the progress bar total.
+                state.max_steps = max(bound, state.global_step)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         batches = self.trainer.train_batches
@@ -158,6 +201,8 @@ class EpochCallback(TrainerCallback):
         state.epoch = float(batches.epoch)
         if batches.max_epochs is not None and batches.epoch >= batches.max_epochs:
             control.should_training_stop = True
+            state.max_steps = state.global_step  # the run's exact length, now known: the bar ends at 100 %
+
 
     def on_save(self, args, state, control, **kwargs):
         batches = self.trainer.train_batches
@@ -172,3 +217,21 @@ class EpochCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer.close_train_loader()
+
+
+class BoundProgressCallback(ProgressCallback):
+    """HF's progress bar with its total refreshed from ``state.max_steps`` (the tightening evenflow bound)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        bar = self.training_bar
+        if bar is not None and bar.total != state.max_steps:
+            bar.total = state.max_steps
+            bar.refresh()
+        super().on_step_end(args, state, control, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        bar = self.training_bar
+        if bar is not None and bar.total != state.global_step:
+            bar.total = state.global_step
+            bar.update(state.global_step - bar.n)
+        super().on_train_end(args, state, control, **kwargs)

@@ -45,6 +45,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("evenflow.integrations.lightning needs lightning: pip install 'evenflow[lightning]'") from exc
 
+from ..lr import TokenLRRule, TokenLRScaler
 from ..runtime.loader import DynamicBatchLoader
 from .states import gather_states, pick_state
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo, scale_loss
@@ -201,22 +202,52 @@ class EvenflowCallback(L.Callback):
     written to the trainer's own loggers every ``log_every_n_steps`` optimizer steps.
 
     Reads each batch's :class:`StepInfo` in ``on_train_batch_start`` (before ``training_step`` pops it).
+
+    ``lr_scaling="sqrt"`` / ``"linear"`` (or a :class:`evenflow.TokenLRRule`) also scales every optimizer step's
+    LR by its window's global supervised tokens (evenflow.lr), relative to ``reference_tokens`` -- by default the
+    DataModule's ``token_budget x trainer.world_size x accumulate_grad_batches``. LR schedulers keep stepping the
+    unscaled LR. The scalers (one per optimizer) are ``callback.lr_scalers``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, lr_scaling: TokenLRRule | str | None = None) -> None:
         self.metrics = StepMetrics()
         self._info: StepInfo | None = None
         self.history: list[dict] = []
         """Every logged summary (also on ranks that do not write to a logger)."""
+        self.lr_rule = TokenLRRule.coerce(lr_scaling)
+        self.lr_scalers: list[TokenLRScaler] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.metrics = StepMetrics()
+        if self.lr_rule is not None:
+            self._attach_lr_rule(trainer)
+
+    def _attach_lr_rule(self, trainer) -> None:
+        budget = getattr(trainer.datamodule, "token_budget", None)
+        if self.lr_rule.reference_tokens is None and not isinstance(budget, int):
+            raise ValueError("EvenflowCallback(lr_scaling=...) needs the token budget for its default reference: "
+                             "train with a DynamicBatchDataModule, or pass TokenLRRule(reference_tokens=...)")
+        reference = self.lr_rule.resolve(token_budget=budget or 1, world_size=trainer.world_size,
+                                         grad_accum_steps=trainer.accumulate_grad_batches)
+        self._remove_lr_rule()
+        self.lr_scalers = [TokenLRScaler(opt, scaling=self.lr_rule.scaling, reference_tokens=reference)
+                           for opt in trainer.optimizers]
+
+    def _remove_lr_rule(self) -> None:
+        for scaler in self.lr_scalers:
+            scaler.remove()
+        self.lr_scalers = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._remove_lr_rule()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         info = batch.get(STEP_INFO_KEY) if isinstance(batch, Mapping) else None
         self._info = info
         if info is not None:
             self.metrics.update(info)
+            for scaler in self.lr_scalers:  # every micro-batch of a window carries the window's total
+                scaler.observe(info.window_loss_tokens)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         info, self._info = self._info, None

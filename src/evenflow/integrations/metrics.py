@@ -36,14 +36,20 @@ class StepMetrics:
       ``imbalance_max``: the worst step.
     - ``local_tokens_per_s``: this rank's real (unpadded) tokens per second of wall time.
     - ``samples_per_s`` / ``loss_tokens_per_s``: all ranks' samples and supervised tokens per second.
-    - ``epoch``, ``epoch_progress``: epoch of the last step and its fraction done (steps / ``len(loader)`` bound).
+    - ``epoch``, ``epoch_progress``: epoch of the last step and its fraction done: samples / ``epoch_samples`` when
+      given (exact), else steps / the ``len(loader)`` bound (an underestimate while the bound is loose).
 
     A 2-rank step where rank 0 holds [3 rows x 8] = 24 padded tokens with 20 real, and rank 1 holds 16 padded:
     local_padded_efficiency (rank 0) = 20/24 = 0.83, imbalance = 24 / 20 = 1.2.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, *, epoch_samples: int | None = None) -> None:
         self.clock = clock
+        self.epoch_samples = epoch_samples
+        """Samples in one epoch over all ranks (map-style join mode: ``len(dataset)``); ``epoch_progress`` is then
+        samples done / this, else the step count over the loader's step bound (a lower estimate)."""
+        self._epoch = -1
+        self._epoch_done = 0
         self._start = clock()
         self.idle_total = 0
         """IDLE steps of this rank since construction (not reset by ``summary``)."""
@@ -70,10 +76,18 @@ class StepMetrics:
             self.real_tokens += info.real_tokens
             self.padded_tokens += info.padded_tokens
         self.samples += info.global_samples
+        if info.epoch != self._epoch:
+            self._epoch, self._epoch_done = info.epoch, 0
+        self._epoch_done += info.global_samples
         self.loss_tokens += info.global_loss_tokens
         self.imbalance_sum += info.imbalance
         self.imbalance_max = max(self.imbalance_max, info.imbalance)
         self._last = info
+
+    def _progress(self, last: StepInfo) -> float:
+        if self.epoch_samples:
+            return min(self._epoch_done / self.epoch_samples, 1.0)
+        return (last.step + 1) / last.steps_bound if last.steps_bound > 0 else 0.0
 
     def summary(self, reset: bool = True) -> dict[str, float]:
         """The interval's metrics as ``{name: float}``; empty when no step was recorded since the last reset."""
@@ -92,7 +106,7 @@ class StepMetrics:
             "samples_per_s": self.samples / elapsed,
             "loss_tokens_per_s": self.loss_tokens / elapsed,
             "epoch": float(last.epoch),
-            "epoch_progress": (last.step + 1) / last.steps_bound if last.steps_bound > 0 else 0.0,
+            "epoch_progress": self._progress(last),
         }
         if reset:
             self._start = now

@@ -27,7 +27,8 @@ from torch import nn
 from ..balance.costs import QuadraticCost
 from ..balance.orchestrator import ExampleInputs, LLMInputs, OrchestratorConfig, PhaseSpec
 
-__all__ = ["TinyMLLMConfig", "TinyMLLM", "make_examples", "orchestrator_config"]
+__all__ = ["TinyMLLMConfig", "TinyMLLM", "TokenFold", "example_from_sample", "make_examples",
+           "orchestrator_config", "real_media_config", "split_rows"]
 
 IGNORE_INDEX = -100
 
@@ -54,9 +55,79 @@ class TinyMLLMConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if min(self.image_token_id, self.audio_token_id) < 0 or max(self.image_token_id, self.audio_token_id) >= 3:
-            raise ValueError("image_token_id and audio_token_id must be in {0, 1, 2} (0 is padding) -- "
-                             "make_examples draws text tokens from 3..vocab_size-1")
+        ids = (self.image_token_id, self.audio_token_id)
+        if min(ids) < 0 or max(ids) >= self.vocab_size or ids[0] == ids[1]:
+            raise ValueError(f"image_token_id and audio_token_id must be distinct ids in [0, vocab_size="
+                             f"{self.vocab_size}), got {ids}")
+
+
+def real_media_config(*, vocab_size: int = 512, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
+                      max_len: int = 1024) -> TinyMLLMConfig:
+    """Sizes for :class:`evenflow.data.multimodal.MultimodalChatDataset` samples: Qwen2-VL patch rows (1,176
+    features, 2x2 merge = 4 patches per token) and Whisper log-mel frames (80 bins, 4 frames per token)."""
+    from ..data.audio import AUDIO_FRAME_STRIDE, N_MELS
+
+    return TinyMLLMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                          max_len=max_len, patch_dim=3 * 2 * 14 * 14, patch_merge=4, n_mels=N_MELS,
+                          frame_stride=AUDIO_FRAME_STRIDE, image_token_id=1, audio_token_id=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenFold:
+    """Map real (Qwen3) ids onto the tiny model's vocabulary: placeholders to the model's ids, text hashed.
+
+    The tiny model is random-init and exists to make costs real, not to learn: text id ``t`` becomes
+    ``3 + t % (vocab_size - 3)`` (lengths and supervision unchanged); ``-100`` labels stay ``-100``.
+    Example with ``vocab_size=64``: Qwen3 id 151644 -> 3 + 151644 % 61 = 62.
+    """
+
+    image_pad_id: int
+    """The dataset's image placeholder (Qwen3 ``<|image_pad|>``)."""
+    audio_pad_id: int
+    """The dataset's audio placeholder (:data:`evenflow.data.audio.AUDIO_PAD_ID`)."""
+    config: TinyMLLMConfig
+
+    def __post_init__(self) -> None:
+        if self.config.vocab_size < 4 or {self.config.image_token_id, self.config.audio_token_id} != {1, 2}:
+            raise ValueError("TokenFold keeps 0 for padding, 1 and 2 for the placeholders and hashes text into "
+                             "3..vocab_size-1: use image_token_id/audio_token_id in {1, 2} and vocab_size >= 4")
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        out = 3 + torch.remainder(ids, c.vocab_size - 3)
+        out = torch.where(ids == self.image_pad_id, torch.full_like(ids, c.image_token_id), out)
+        out = torch.where(ids == self.audio_pad_id, torch.full_like(ids, c.audio_token_id), out)
+        return torch.where(ids == IGNORE_INDEX, ids, out)
+
+
+def split_rows(rows: int, window: int | None, unit: int) -> list[int]:
+    """Cut an item of ``rows`` rows into windows of at most ``window`` rows, each a multiple of ``unit``.
+
+    ``split_rows(1000, 400, 4)`` -> ``[400, 400, 200]``; ``window=None`` keeps the item whole.
+    """
+    if window is None or rows <= window:
+        return [rows]
+    if window < unit or window % unit:
+        raise ValueError(f"window={window} must be a positive multiple of {unit} (rows per output token)")
+    return [window] * (rows // window) + ([rows % window] if rows % window else [])
+
+
+def example_from_sample(sample: dict, fold: TokenFold, *, dtype: torch.dtype = torch.float32,
+                        audio_window: int | None = None) -> ExampleInputs:
+    """A :class:`MultimodalChatDataset` sample as orchestrator input (one image and one clip at most).
+
+    ``audio_window``: cut a clip into items of at most that many frames (Whisper-style fixed windows), so a
+    long clip can be encoded on several ranks. Exact for this model's row-wise audio encoder: the
+    concatenated window outputs equal the whole clip's, in the same placeholder order.
+    """
+    media: dict[str, list[torch.Tensor]] = {"vision": [], "audio": []}
+    if int(sample["num_patches"]):
+        media["vision"].append(sample["pixel_values"].to(dtype))
+    if int(sample["num_frames"]):
+        frames = sample["audio_features"].to(dtype)
+        sizes = split_rows(frames.shape[0], audio_window, fold.config.frame_stride)
+        media["audio"].extend(torch.split(frames, sizes))
+    return ExampleInputs(input_ids=fold(sample["input_ids"]), labels=fold(sample["labels"]), media=media)
 
 
 class _RowEncoder(nn.Module):
@@ -165,15 +236,18 @@ class TinyMLLM(nn.Module):
 def orchestrator_config(config: TinyMLLMConfig = TinyMLLMConfig(), *, ranks_per_node: int | None = None,
                         balance: bool = True, vision_cost: QuadraticCost = QuadraticCost(),
                         audio_cost: QuadraticCost = QuadraticCost(),
-                        llm_cost: QuadraticCost = QuadraticCost()) -> OrchestratorConfig:
+                        llm_cost: QuadraticCost = QuadraticCost(), balance_encoders: bool = True) -> OrchestratorConfig:
     """An :class:`OrchestratorConfig` matching the model's phases (costs default to rows / tokens).
 
     Costs must be equal on every rank: fit them once (:func:`evenflow.balance.costs.fit_quadratic`) and
-    pass the same numbers everywhere, never per-rank timings.
+    pass the same numbers everywhere, never per-rank timings. ``balance_encoders=False`` balances the LLM phase
+    only (each media item is encoded on the rank that sampled its example).
     """
     return OrchestratorConfig(
-        encoders={"vision": PhaseSpec(cost=vision_cost, input_dim=config.patch_dim, downsample=config.patch_merge),
-                  "audio": PhaseSpec(cost=audio_cost, input_dim=config.n_mels, downsample=config.frame_stride)},
+        encoders={"vision": PhaseSpec(cost=vision_cost, input_dim=config.patch_dim, downsample=config.patch_merge,
+                                      balanced=balance_encoders),
+                  "audio": PhaseSpec(cost=audio_cost, input_dim=config.n_mels, downsample=config.frame_stride,
+                                     balanced=balance_encoders)},
         llm=PhaseSpec(cost=llm_cost), ranks_per_node=ranks_per_node, balance=balance)
 
 
@@ -185,6 +259,10 @@ def make_examples(generator: torch.Generator, count: int, config: TinyMLLMConfig
     Counts are drawn uniformly in ``[0, max_*]`` (text at least 2 tokens), so some examples have no images
     or no audio. Deterministic given ``generator``.
     """
+    if {config.image_token_id, config.audio_token_id} - {0, 1, 2}:
+        raise ValueError("make_examples draws text tokens from 3..vocab_size-1: use image_token_id and "
+                         "audio_token_id in {0, 1, 2}")
+
     def draw(high: int, low: int = 0) -> int:
         return int(torch.randint(low, high + 1, (1,), generator=generator))
 

@@ -4,17 +4,21 @@
 - alignment.py -- the DGAP round: every rank evaluates the same rule on the same gathered metadata
 - loss.py      -- supervised-token counts and loss scales that make DDP + accumulation exact
 - simulate.py  -- the protocol for W ranks in one process (model checker, simulator, benchmarks)
+- global_plan.py -- one global round: groups over the union of all buffers, equal-cost steps, least movement
+- timecost.py  -- the fitted per-item time cost f(L) = gamma + alpha L + beta L^2 planners balance on
 """
 
 from .alignment import (AlignmentConfig, Item, RankPlanner, RankReport, RoundDecision, config_fingerprint,
                         decide_round, wait_bound)
+from .global_plan import GlobalPlanConfig, GlobalRoundPlan, plan_global_round
 from .grouping import GroupingConfig, GroupingResult, group_costs, plan, plan_groups
 from .loss import LossTokenRule, count_loss_tokens, loss_scale, step_loss_scales, window_totals
 from .simulate import EpochTrace, SampleMeta, make_planners, run_epoch
+from .timecost import PhaseTime, TimeCost
 
 __all__ = [
     "AlignmentConfig", "Item", "RankPlanner", "RankReport", "RoundDecision", "config_fingerprint", "decide_round",
     "wait_bound", "GroupingConfig", "GroupingResult", "group_costs", "plan", "plan_groups", "LossTokenRule",
     "count_loss_tokens", "loss_scale", "step_loss_scales", "window_totals", "EpochTrace", "SampleMeta",
-    "make_planners", "run_epoch",
+    "make_planners", "run_epoch", "GlobalPlanConfig", "GlobalRoundPlan", "plan_global_round", "PhaseTime", "TimeCost",
 ]

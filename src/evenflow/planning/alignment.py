@@ -66,6 +66,7 @@ __all__ = [
     "wait_bound",
     "REPORT_WIDTH",
     "SLOT_WIDTH",
+    "NO_VALUE",
 ]
 
 PROTOCOL_VERSION = 1
@@ -129,8 +130,12 @@ def _canonical(obj: object) -> object:
     return obj
 
 
-REPORT_WIDTH = 7
-"""int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error."""
+REPORT_WIDTH = 13
+"""int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error, stop_step,
+epoch, data, resume, pid, host (see :class:`RankReport`)."""
+
+NO_VALUE = -1
+"""``stop_step`` / ``resume`` / ``pid`` / ``host`` when a rank has nothing to report there."""
 
 
 @dataclass(frozen=True)
@@ -146,15 +151,30 @@ class RankReport:
     """Samples still in the rank's stream (not yet buffered), or -1 when unknown (iterable datasets)."""
     stop: bool = False
     error: bool = False
+    """The rank failed (loading, measuring, collating, or its trainer via ``close(exc)``): every rank then
+    issues one more fixed-size exchange carrying the error's details (NOTE [ Faults in the round sequence ])."""
+    stop_step: int = NO_VALUE
+    """With ``stop``: the batches this rank's trainer had taken when it stopped (NOTE [ Early stops ])."""
+    epoch: int = 0
+    data: int = 0
+    """Fingerprint of what the rank's shard depends on (``len(dataset)``, stream kind): ranks that disagree
+    would train overlapping shards."""
+    resume: int = NO_VALUE
+    """``2 * step + finished`` of the loaded state this epoch resumed from, or -1 (no state): torn
+    checkpoints are refused."""
+    pid: int = NO_VALUE
+    host: int = NO_VALUE
+    """Process id and host fingerprint: survivors of a failed exchange name the ranks that died."""
 
     def to_array(self) -> np.ndarray:
         return np.array([self.fingerprint, self.num_groups, self.num_samples, int(self.exhausted), self.unread,
-                         int(self.stop), int(self.error)], dtype=np.int64)
+                         int(self.stop), int(self.error), self.stop_step, self.epoch, self.data, self.resume,
+                         self.pid, self.host], dtype=np.int64)
 
     @classmethod
     def from_array(cls, row: Sequence[int]) -> RankReport:
-        f, g, n, ex, unread, stop, err = np.asarray(row, dtype=np.int64).tolist()  # plain ints, fast
-        return cls(f, g, n, bool(ex), unread, bool(stop), bool(err))
+        f, g, n, ex, unread, stop, err, *rest = np.asarray(row, dtype=np.int64).tolist()  # plain ints, fast
+        return cls(f, g, n, bool(ex), unread, bool(stop), bool(err), *rest)
 
 
 @dataclass(frozen=True)
@@ -170,6 +190,37 @@ class RoundDecision:
     """Ranks that reported an error: every rank raises after this round."""
     steps_bound: int
     """Upper bound on the steps left in the epoch *including* this round's ``target`` (-1 if unknown)."""
+    stop_rank: int = NO_VALUE
+    """With ``stop``: the stopping rank with the fewest steps taken (lowest rank on ties)."""
+    stop_step: int = NO_VALUE
+    """With ``stop``: that rank's steps taken; a peer asking for a batch past it raises ``PeerStopped``."""
+
+
+def _check_agreement(table: np.ndarray) -> None:
+    """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them)."""
+    for col, what, fix in _AGREEMENT:
+        values = table[:, col]
+        if (values != values[0]).any():
+            by_value = {_show(col, int(v)): np.flatnonzero(values == v).tolist() for v in np.unique(values)}
+            raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
+
+
+def _show(col: int, value: int) -> object:
+    if col == _RESUME_COL:
+        return "no state" if value < 0 else f"step {value // 2}{' (finished)' if value % 2 else ''}"
+    return value
+
+
+_RESUME_COL = 10
+_AGREEMENT = (
+    (0, "the loader configuration (fingerprint)", "every rank must build its loader with the same seed, budgets, "
+        "buffer_size, join, balance, grad_accum_steps and world size"),
+    (8, "the epoch", "call loader.set_epoch(epoch) with the same epoch on every rank"),
+    (9, "the dataset (len() or kind)", "every rank must see the same dataset: check for a partly written file or "
+        "a rank-dependent filter; shards are dealt from len(dataset) and would overlap"),
+    (_RESUME_COL, "the resumed state (step counter)", "load every rank's state from the same checkpoint step, or "
+        "none of them (a torn or partial checkpoint would repeat or skip samples)"),
+)
 
 
 def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentConfig) -> RoundDecision:
@@ -192,12 +243,8 @@ def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentCo
         table = np.array([r.to_array() for r in reports], dtype=np.int64).reshape(-1, REPORT_WIDTH)
     if not len(table):
         raise ValueError("decide_round needs one report per rank, got none")
-    fp, groups, samples, exhausted, unread, stop_flags, errors = table.T
-    fps = np.unique(fp)
-    if len(fps) != 1:
-        by_fp = {int(f): np.flatnonzero(fp == f).tolist() for f in fps}
-        raise ValueError(f"ranks disagree on the loader configuration (fingerprint -> ranks: {by_fp}); every rank "
-                         "must build its loader with the same seed, budgets, buffer_size, join and world size")
+    _check_agreement(table)
+    groups, samples, exhausted, unread, stop_flags, errors, stop_steps = table[:, 1:8].T
     bad = (samples < 0) | (groups < 0) | (groups > samples) | ((samples > 0) & (groups == 0))
     if bad.any():
         i = int(np.argmax(bad))
@@ -208,7 +255,12 @@ def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentCo
     dry = (exhausted != 0) & (samples == 0)
     epoch_done = bool(dry.all() if config.join else dry.any())
     if error_ranks or stop or epoch_done:
-        return RoundDecision(0, epoch_done, stop, error_ranks, 0 if epoch_done else -1)
+        stop_rank = stop_step = NO_VALUE
+        if stop:
+            stoppers = np.flatnonzero(stop_flags)
+            stop_rank = int(stoppers[np.argmin(stop_steps[stoppers])])
+            stop_step = int(stop_steps[stop_rank])
+        return RoundDecision(0, epoch_done, stop, error_ranks, 0 if epoch_done else -1, stop_rank, stop_step)
     active = samples[samples > 0]
     if not len(active):
         # A round starts only with a full buffer or an exhausted stream, so an empty buffer means exhausted.
@@ -316,9 +368,9 @@ class RankPlanner:
         return plan(np.array(self._lengths, dtype=np.int64), self.grouping, extra=extra).groups
 
     def report(self, fingerprint: int, *, exhausted: bool, unread: int, stop: bool = False,
-               error: bool = False, groups: list[list[int]] | None = None) -> RankReport:
+               error: bool = False, groups: list[list[int]] | None = None, stop_step: int = NO_VALUE) -> RankReport:
         groups = self.plan_local() if groups is None else groups
-        return RankReport(fingerprint, len(groups), len(self.buffer), exhausted, unread, stop, error)
+        return RankReport(fingerprint, len(groups), len(self.buffer), exhausted, unread, stop, error, stop_step)
 
     def apply(self, decision: RoundDecision, groups: list[list[int]] | None = None) -> list[Slot]:
         """Emit ``decision.target`` slots and keep the rest buffered. ``groups`` is what :meth:`report` used."""
@@ -333,24 +385,37 @@ class RankPlanner:
             groups = self._select(groups, target)
         while len(groups) < target:
             groups = self._split_costliest(groups)
-        chosen = {i for g in groups for i in g}
         slots = [[self.buffer[i] for i in g] for g in groups]
+        self._remove({i for g in groups for i in g})
+        slots = self._emission_order(slots)
+        self.rounds += 1
+        return slots
+
+    def take(self, positions: Sequence[int]) -> list[Item]:
+        """Remove the samples at ``positions`` from the buffer and count one emitting round (the ageing clock):
+        what :meth:`apply` does once a round's slots are chosen, for plans made over several ranks' buffers
+        (``planning="global"``, evenflow.planning.global_plan). Returns the removed items in that order."""
+        taken = [self.buffer[int(i)] for i in positions]
+        self._remove({int(i) for i in positions})
+        self.rounds += 1
+        return taken
+
+    def _remove(self, chosen: set[int]) -> None:
+        """Drop buffer positions ``chosen``, keeping the per-item columns aligned with the buffer."""
         keep = [i for i in range(len(self.buffer)) if i not in chosen]
         self.buffer = [self.buffer[i] for i in keep]
         self._lengths = [self._lengths[i] for i in keep]
         self._tokens = sum(self._lengths)
         self._seqs = [self._seqs[i] for i in keep]
         self._arrivals = [self._arrivals[i] for i in keep]
-        slots = self._emission_order(slots)
-        self.rounds += 1
-        return slots
 
     def _cost(self, items: Sequence[Item]) -> int:
+        # The shape the default collate builds: padded rows, or one row padded once (FlatCollate): rounding
+        # each sample up would overstate summed cost (lengths 3 x 170 + 2 under multiple 8: 520, not 512).
         lengths = np.array([it.length for it in items], dtype=np.int64)
-        lengths = padded_length(lengths, self.grouping.pad_to_multiple_of)
         if self.grouping.cost == "padded":
-            return int(len(lengths) * lengths.max())
-        return int(lengths.sum())
+            return int(len(lengths) * padded_length(lengths, self.grouping.pad_to_multiple_of).max())
+        return int(padded_length(lengths.sum(keepdims=True), self.grouping.pad_to_multiple_of)[0])
 
     def _select(self, groups: list[list[int]], target: int) -> list[list[int]]:
         # Vectorized over the buffer (this runs every round on thousands of samples). Sort key per group:

@@ -3,15 +3,18 @@
 - loader.py    -- DynamicBatchLoader: epochs, state, IDLE template, the trainer-facing iterator
 - collator.py  -- the per-epoch collation thread: fill, round (two fixed exchanges), collate, hand off
 - source.py    -- per-rank sample streams on a plain DataLoader(batch_size=None); map-style sharding
+- faults.py    -- PeerStopped / PeerError and the error-detail encoding (NOTE [ Faults in the round sequence ])
+- resume.py    -- validation of a loader state before resuming
 - comm.py      -- the only torch.distributed code: rank/world/group resolution and the int64 all_gather
 - collate.py   -- PadCollate (right-padded rows) and FlatCollate (one varlen row)
 - step_info.py -- StepInfo, pop_step_info, scale_loss
 """
 
 from .collate import FlatCollate, PadCollate
+from .faults import PeerError, PeerStopped
 from .loader import DynamicBatchLoader, LoaderConfig
 from .source import shard_indices
 from .step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "FlatCollate", "PadCollate", "STEP_INFO_KEY", "StepInfo",
-           "pop_step_info", "scale_loss", "shard_indices"]
+           "pop_step_info", "scale_loss", "shard_indices", "PeerError", "PeerStopped"]

@@ -41,6 +41,12 @@ class BalancedRound:
     """``[T, world]`` cost of every rank's slot after balancing."""
     sources: list[list[int]]
     """Per step, the source rank of each item in ``slots``."""
+    failed_ranks: tuple[int, ...] = ()
+    """Ranks that could not serialize a sample they had to send: nothing moved, every rank goes to the error
+    round (NOTE [ Faults in the round sequence ])."""
+    error: BaseException | None = None
+    """This rank's serialization error, if it is one of ``failed_ranks``."""
+    error_key: object = None
 
 
 class StepRebalancer:
@@ -68,16 +74,14 @@ class StepRebalancer:
         table = self.exchange.all_gather(mine.ravel()).reshape(self.world, width, max(n_max, 1), fields)
         plans = [self._plan_step(table[:, s], counts[:, s, 0]) for s in range(target)]
         # Exchange 4: one all-to-all of the samples that change rank.
-        outgoing, dest = [], []
-        for s, plan in enumerate(plans):
-            for d, group in enumerate(plan):
-                for src, j in group:
-                    if src == self.rank and d != self.rank:
-                        it = slots[s][j]
-                        blob = pickle.dumps((it.key, it.length, it.loss_tokens, dict(it.extra),
-                                             self.payloads.pop(it.key)), protocol=pickle.HIGHEST_PROTOCOL)
-                        outgoing.append({"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)})
-                        dest.append(d)
+        outgoing, dest, error, error_key = self._serialize(plans, slots)
+        if any(d != src for plan in plans for d, group in enumerate(plan) for src, _ in group):
+            # Something moves this round (every rank knows from the plans): agree that every sender could
+            # serialize before entering the all-to-all, so a sample that does not pickle cannot strand peers.
+            failed = np.flatnonzero(self.exchange.all_gather(np.array([error is not None], dtype=np.int64))[:, 0])
+            if len(failed):
+                return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [],
+                                     tuple(failed.tolist()), error, error_key)
         received = exchange_samples(outgoing, dest, group=self.exchange.topology.group) if self.world > 1 else []
         arrived = iter(received)
         # Arrival order is (source rank, position at source); recompute every source's send order from the plans.
@@ -101,6 +105,26 @@ class StepRebalancer:
             lengths = [[int(table[src, s, j, 0]) for src, j in group] for group in plan]
             padded[s] = step_costs(lengths, cost=self.grouping.cost, pad_to_multiple_of=self.grouping.pad_to_multiple_of)
         return BalancedRound(new_slots, owned, padded, sources)
+
+    def _serialize(self, plans: list, slots: list[Slot]) -> tuple[list, list, BaseException | None, object]:
+        outgoing, dest = [], []
+        for s, plan in enumerate(plans):
+            for d, group in enumerate(plan):
+                for src, j in group:
+                    if src == self.rank and d != self.rank:
+                        it = slots[s][j]
+                        try:
+                            blob = pickle.dumps((it.key, it.length, it.loss_tokens, dict(it.extra),
+                                                 self.payloads[it.key]), protocol=pickle.HIGHEST_PROTOCOL)
+                        except Exception as exc:  # noqa: BLE001 - a lock, an open file, a lambda...
+                            err = TypeError(f"balance=True must send sample {it.key!r} to rank {d} but it cannot "
+                                            f"be pickled ({type(exc).__name__}: {exc}); return picklable samples "
+                                            "(tensors, numbers, strings) from the dataset, or use balance=False")
+                            return [], [], err, it.key
+                        del self.payloads[it.key]
+                        outgoing.append({"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)})
+                        dest.append(d)
+        return outgoing, dest, None, None
 
     def _plan_step(self, table: np.ndarray, counts: np.ndarray) -> list[list[tuple[int, int]]]:
         """The same on every rank: ``table[r, j]`` = (length, extras) of rank r's j-th sample at this step."""

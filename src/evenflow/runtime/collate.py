@@ -1,4 +1,9 @@
-"""Default collate functions: right-padded rows, or one flattened row for padding-free attention."""
+"""Default collate functions: right-padded rows, or one flattened row for padding-free attention.
+
+Both always emit ``labels``: a sample without them trains as a causal LM on its own ``input_ids`` (padding and
+packing boundaries ignored), which is exactly what the loader counts as its supervised tokens
+(``LossTokenRule`` on ``input_ids`` when a sample has no ``labels``).
+"""
 
 from __future__ import annotations
 
@@ -60,33 +65,52 @@ class PadCollate:
         for row, x in enumerate(ids):
             input_ids[row, :len(x)] = x
             attention[row, :len(x)] = 1
-        out = {"input_ids": input_ids, "attention_mask": attention}
-        if any("labels" in s for s in samples):
-            labels = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
-            for row, s in enumerate(samples):
-                lab = _as_long(s["labels"] if "labels" in s else s["input_ids"]).reshape(-1)
-                labels[row, :len(lab)] = lab
-            out["labels"] = labels
+        # Labels pad with -100; a sample without labels is supervised on its own input_ids (the loader counted
+        # its loss tokens from them), so a labels-free dataset trains as a causal LM.
+        labels = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
+        for row, s in enumerate(samples):
+            lab = _as_long(s["labels"]).reshape(-1) if "labels" in s else ids[row]
+            labels[row, :len(lab)] = lab
+        out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
         return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class FlatCollate:
-    """Concatenate samples into one ``[1, total]`` row for varlen (padding-free) attention.
+    """Concatenate samples into one ``[1, total]`` row for padding-free (varlen) attention.
 
-    Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per sequence), ``cu_seqlens``
-    (int32 cumulative lengths) and ``max_seqlen`` -- the layout HF models accept for flash/varlen attention.
+    Emits what transformers' models consume for padding-free training (the layout of HF's
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): ``input_ids``, ``labels``, ``position_ids``
+    restarting at 0 per sequence -- from which sdpa/eager attention build a block-diagonal mask -- and the
+    flash-attention kwargs ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 cumulative lengths) and
+    ``max_length_q``/``max_length_k``. No ``attention_mask``: HF only detects packed rows without one. Lengths 3, 2:
+
+        input_ids     [[a, b, c, d, e]]
+        labels        [[-100, b, c, -100, e]]
+        position_ids  [[0, 1, 2, 0, 1]]
+        cu_seq_lens_q [0, 3, 5]          max_length_q 3
+
     The first label of every sequence is -100, so the last token of one sequence never learns to predict the
-    first token of the next. Lengths 3 and 2:
+    first token of the next.
 
-        input_ids    [[a, b, c, d, e]]
-        position_ids [[0, 1, 2, 0, 1]]
-        cu_seqlens   [0, 3, 5]
+    NOTE [ Packing and the KV cache ]
+        An HF decoder whose config says ``use_cache=True`` (the default) builds a cache in every forward,
+        training included, and with a cache its mask code skips the packed-sequence detection: the packed
+        sequences silently attend to each other (loss off in the 3rd decimal on a tiny Qwen3). So the batch
+        carries ``use_cache=False`` (``use_cache=None`` leaves the key out, for models that take no such
+        argument; then pass it yourself or set ``model.config.use_cache = False``).
     """
 
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = None
+    use_cache: bool | None = False
+    """Value of the batch's ``use_cache`` entry (NOTE [ Packing and the KV cache ]); ``None``: no such entry."""
+
+    def __post_init__(self) -> None:
+        if self.use_cache:
+            raise ValueError("FlatCollate(use_cache=True) would let packed sequences attend to each other in HF "
+                             "models (NOTE [ Packing and the KV cache ]); use False, or None to omit the key")
 
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         ids = [_as_long(s["input_ids"]).reshape(-1) for s in samples]
@@ -102,19 +126,25 @@ class FlatCollate:
         if self.pad_to_multiple_of:
             pad = -(-total // self.pad_to_multiple_of) * self.pad_to_multiple_of - total
         if pad:
-            # Padding is one extra "sequence" the loss ignores; cu_seqlens covers it so kernels stay in bounds.
+            # Padding is one extra "sequence" (positions restart at 0) the loss ignores; cu_seq_lens covers it so
+            # kernels stay in bounds, and the position restart keeps it out of the last real sequence's attention.
             ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.long))
             labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
             positions.append(torch.arange(pad, dtype=torch.long))
             lengths.append(pad)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+        longest = max(lengths)
         out = {
             "input_ids": torch.cat(ids)[None],
             "labels": torch.cat(labels)[None],
             "position_ids": torch.cat(positions)[None],
-            "cu_seqlens": cu,
-            "max_seqlen": max(lengths),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu.clone(),
+            "max_length_q": longest,
+            "max_length_k": longest,
         }
+        if self.use_cache is not None:
+            out["use_cache"] = self.use_cache
         out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
         return out

@@ -8,9 +8,12 @@ processes (the user's ``num_workers``) -- they run the expensive pipeline.
 NOTE [ Round sequence ]
     Every rank, every round, finished or not, in this order:
         fill buffer -> wait for room (back-pressure, before the round) -> exchange 1 (RankReport)
-        -> decide_round -> apply -> exchange 2 (slot counts, fixed width) -> act on the decision.
+        -> decide_round -> apply -> exchange 2 (slot counts, fixed width) -> [balance=True: exchanges 3, 4]
+        -> [error rounds only: the error-detail exchange] -> act on the decision.
     A stop request, an error or the end of the epoch is *reported in exchange 1* and acted upon only after
-    exchange 2, so no rank ever leaves a peer waiting inside a collective.
+    the round's last exchange, so no rank ever leaves a peer waiting inside a collective. Which optional
+    exchanges a round has follows from exchange 1, identically on every rank (NOTE [ Faults in the round
+    sequence ] in faults.py, NOTE [ Early stops ]).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..planning.alignment import SLOT_WIDTH, RankPlanner, RankReport, decide_round
+from ..planning.alignment import NO_VALUE, SLOT_WIDTH, RankPlanner, RankReport, RoundDecision, decide_round
 from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
 from .comm import MetadataExchange
+from .faults import PeerError, PeerStopped, decode_detail, encode_detail, sample_of
 from .step_info import STEP_INFO_KEY, StepInfo
 
 if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True loaders need it
     from .balancing import BalancedRound, StepRebalancer
+    from .global_round import GlobalRound
 
 __all__ = ["Handoff", "SampleSpec", "EpochPipeline", "Release"]
 
@@ -40,21 +45,54 @@ logger = logging.getLogger("evenflow")
 
 
 class Handoff:
-    """Ready batches between the collation thread and the trainer, with back-pressure and a stop flag."""
+    """Ready batches between the collation thread and the trainer, with back-pressure and a stop flag.
 
-    def __init__(self) -> None:
+    A failure (this rank's or a peer's, NOTE [ Faults in the round sequence ]) jumps the queue: :meth:`get`
+    raises it before any batch still held. A peer's STOP(r, s) is raised once the trainer asks past step s.
+    """
+
+    def __init__(self, rank: int = 0) -> None:
         self._cond = threading.Condition()
         self._items: deque = deque()
+        self.rank = rank
         self.stop_requested = False
+        self.stop_step = NO_VALUE
+        """Batches the trainer had taken when it asked to stop (reported as STOP(rank, step))."""
+        self.trainer_error: BaseException | None = None
+        """``close(exc)`` / ``with loader:``: the trainer's own exception, reported to peers as an error."""
+        self._failure: BaseException | None = None
+        self._peer_stop: tuple[int, int] | None = None
+        self._defer_until: float | None = None
 
     def put(self, item: tuple) -> None:
         with self._cond:
             self._items.append(item)
             self._cond.notify_all()
 
-    def get(self, alive: Callable[[], bool]) -> tuple:
+    def fail(self, exc: BaseException) -> None:
+        """Raise ``exc`` at the trainer's next :meth:`get`, ahead of queued batches."""
         with self._cond:
-            while not self._items:
+            if self._failure is None:
+                self._failure = exc
+            self._cond.notify_all()
+
+    def peer_stopped(self, rank: int, step: int) -> None:
+        with self._cond:
+            self._peer_stop = (rank, step)
+            self._items.append(("stopped",))
+            self._cond.notify_all()
+
+    def get(self, alive: Callable[[], bool], taken: int = 0) -> tuple:
+        """The next item for a trainer that has taken ``taken`` batches this epoch."""
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise self._failure
+                if self._peer_stop is not None and not self.stop_requested and (
+                        taken >= self._peer_stop[1] or (self._items and self._items[0][0] == "stopped")):
+                    raise PeerStopped(*self._peer_stop, this_rank=self.rank)
+                if self._items:
+                    break
                 if not alive():
                     raise RuntimeError("evenflow: the collation thread exited without a result")
                 self._cond.wait(timeout=1.0)
@@ -63,15 +101,38 @@ class Handoff:
             return item
 
     def wait_for_room(self, depth: int) -> None:
+        """Back-pressure before a round; also holds a deferred stop until its deadline (then it is a STOP)."""
         with self._cond:
-            while self._ready() >= depth and not self.stop_requested:
-                self._cond.wait()
+            while not self.stop_requested:
+                if self._defer_until is not None:
+                    left = self._defer_until - time.monotonic()
+                    if left <= 0:
+                        self.stop_requested = True
+                        break
+                    self._cond.wait(timeout=left)
+                elif self._ready() >= depth:
+                    self._cond.wait()
+                else:
+                    break
+
+    def defer_stop(self, step: int, grace_s: float) -> None:
+        """The iterator closed inside ``with loader:``: run no new round for ``grace_s`` so that __exit__ can
+        still turn the STOP into an error report (NOTE [ Early stops ])."""
+        with self._cond:
+            if not self.stop_requested:
+                self.stop_step = step
+                self._defer_until = time.monotonic() + grace_s
+            self._cond.notify_all()
 
     def _ready(self) -> int:
         return sum(1 for item in self._items if item[0] == "batch")
 
-    def request_stop(self) -> None:
+    def request_stop(self, step: int = NO_VALUE, error: BaseException | None = None) -> None:
         with self._cond:
+            if not self.stop_requested and self._defer_until is None:
+                self.stop_step = step
+            if error is not None and self.trainer_error is None:
+                self.trainer_error = error
             self.stop_requested = True
             self._cond.notify_all()
 
@@ -141,13 +202,18 @@ def _token_count(key: object, name: str, value: object) -> int:
         if value.dim() != 1:
             raise ValueError(f"sample {key}: {name!r} must be 1-D, got shape {tuple(value.shape)}; return one "
                              "unpadded sequence per sample (the loader batches)")
-        if value.is_floating_point() or value.is_complex():
-            raise ValueError(f"sample {key}: {name!r} has dtype {value.dtype}; token ids must be integers")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"sample {key}: {name!r} has dtype {value.dtype}; token ids must be integers "
+                             "(a bool tensor is usually a mask passed in the wrong key)")
         return value.numel()
     if isinstance(value, (list, tuple, np.ndarray)):
-        arr = np.asarray(value)
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"sample {key}: {name!r} must be a 1-D sequence of ints")
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged nested lists
+            arr = None
+        if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"sample {key}: {name!r} must be a 1-D sequence of ints (got a ragged, nested or "
+                             "non-integer sequence); return one unpadded sequence of token ids per sample")
         return int(arr.size)
     raise ValueError(f"sample {key}: {name!r} has type {type(value).__name__}; use a 1-D LongTensor or a list of ints")
 
@@ -159,11 +225,14 @@ def _as_array(value: object) -> np.ndarray:
 class EpochPipeline(threading.Thread):
     """Runs the rounds of one epoch (NOTE [ Round sequence ]) and feeds :class:`Handoff`."""
 
-    def __init__(self, *, planner: RankPlanner, stream: Iterator, total: int | None, skip: frozenset,
+    def __init__(self, *, planner: RankPlanner, stream: Iterator | None, total: int | None, skip: frozenset,
                  exchange: MetadataExchange, fingerprint: int, spec: SampleSpec, collate_fn: Callable,
                  handoff: Handoff, epoch: int, depth: int, grad_accum_steps: int, payloads: dict,
                  template: Callable[[], object], on_first_sample: Callable[[object], None],
-                 rebalancer: StepRebalancer | None = None) -> None:
+                 rebalancer: StepRebalancer | None = None, key_at: Callable[[int], object] | None = None,
+                 report_fields: Mapping[str, int] | None = None, error: BaseException | None = None,
+                 describe_fetch_error: Callable[[BaseException, object], BaseException] | None = None,
+                 global_round: GlobalRound | None = None, planning_check: Callable[[], None] | None = None) -> None:
         super().__init__(name=f"evenflow-collate-e{epoch}", daemon=True)
         self.planner = planner
         self.stream = stream
@@ -182,9 +251,20 @@ class EpochPipeline(threading.Thread):
         self.template = template
         self.on_first_sample = on_first_sample
         self.rebalancer = rebalancer
+        self.global_round = global_round
+        """planning="global": plans each emitting round over the planning group's buffers (global_round.py)."""
+        self.planning_check = planning_check
+        """The epoch's first exchange: refuses peers with another planning configuration (every policy)."""
+        self.key_at = key_at or (lambda pulled: pulled)
+        """The key of the ``pulled``-th sample of the stream (names the sample a failed fetch was for)."""
+        self.report_fields = dict(report_fields or {})
+        """Constant RankReport fields of this epoch: epoch, data, resume, pid, host."""
+        self.describe_fetch_error = describe_fetch_error
         self.pulled = 0
-        self.exhausted = total == 0
-        self.error: BaseException | None = None
+        self.exhausted = total == 0 or stream is None
+        self.error: BaseException | None = error
+        self.error_key: object = None
+        """The sample ``error`` is about (None: not about one sample)."""
         self.step = 0
         self.pending: list = []
         self.world = exchange.topology.world_size
@@ -194,45 +274,90 @@ class EpochPipeline(threading.Thread):
     # -- thread body ---------------------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            self._rounds()
+            if self.planning_check is not None:
+                self.planning_check()
+            while self._round():
+                pass
         except BaseException as exc:  # exchange failure or a bug: nothing more can be exchanged safely
-            self.handoff.put(("error", exc))
+            self.handoff.fail(exc)
 
-    def _rounds(self) -> None:
-        while True:
-            self._fill()
-            self.handoff.wait_for_room(self.depth)
-            started = time.perf_counter()
-            ok = self.error is None
-            groups = self.planner.plan_local() if ok else []
-            report = RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0,
-                                self.exhausted, self._unread(), self.handoff.stop_requested, not ok)
-            table = self.exchange.all_gather(report.to_array())
-            decision = decide_round(table, self.planner.alignment)
-            slots = self.planner.apply(decision, groups) if ok else []
-            counts = self.planner.slot_counts(slots, self.width)
-            gathered = self.exchange.all_gather(counts.ravel()).reshape(self.world, self.width, SLOT_WIDTH)
-            # balance=True: exchanges 3 and 4 (every round; target is 0 on rank-wide stop/error/end rounds).
-            balanced = self.rebalancer(slots, gathered, decision.target) if self.rebalancer is not None else None
-            logger.debug("evenflow round: epoch %d step %d T=%d reports=%s (%.2f ms)", self.epoch, self.step,
-                         decision.target, table[:, 1:4].tolist(),
-                         1e3 * (time.perf_counter() - started))
-            if self.error is not None:
-                self.handoff.put(("error", self.error))
-                return
-            if decision.error_ranks:
-                self.handoff.put(("error", RuntimeError(
-                    f"evenflow: rank(s) {list(decision.error_ranks)} failed while loading or collating; their own "
-                    "logs carry the original error and traceback")))
-                return
-            if decision.stop:
-                self.handoff.put(("stopped",))
-                return
-            self._emit(slots, gathered, decision.steps_bound, balanced)
-            if decision.epoch_done:
-                self._release()
-                self.handoff.put(("end",))
-                return
+    def _round(self) -> bool:
+        """One round of NOTE [ Round sequence ]; False once the epoch is over on every rank."""
+        self._fill()
+        self.handoff.wait_for_room(self.depth)
+        started = time.perf_counter()
+        failure = self._local_failure()
+        groups = self.planner.plan_local() if failure is None else []
+        table = self.exchange.all_gather(self._report(groups, failure).to_array())
+        decision = decide_round(table, self.planner.alignment)
+        if self.exchange.peers is None and hasattr(self.exchange, "note_peers"):
+            self.exchange.note_peers(table[:, 11], table[:, 12])  # names dead ranks if a later exchange fails
+        if self.global_round is not None and decision.target:  # same on every rank: all plan, or none
+            slots, decision = self.global_round.plan(self.planner, table, decision)
+        else:
+            slots = self.planner.apply(decision, groups) if failure is None else []
+        counts = self.planner.slot_counts(slots, self.width)
+        gathered = self.exchange.all_gather(counts.ravel()).reshape(self.world, self.width, SLOT_WIDTH)
+        error_ranks, balanced = self._balance(slots, gathered, decision)
+        logger.debug("evenflow round: epoch %d step %d T=%d (%.2f ms)", self.epoch, self.step, decision.target,
+                     1e3 * (time.perf_counter() - started))
+        if error_ranks:
+            self._error_round(error_ranks)
+            return False
+        if decision.stop:
+            self._on_stop(decision)
+            return False
+        self._emit(slots, gathered, decision.steps_bound, balanced)
+        if decision.epoch_done:
+            self._release()
+            self.handoff.put(("end",))
+            return False
+        return True
+
+    def _local_failure(self) -> BaseException | None:
+        return self.error if self.error is not None else self.handoff.trainer_error
+
+    def _report(self, groups: list, failure: BaseException | None) -> RankReport:
+        ok = failure is None
+        stop = self.handoff.stop_requested
+        return RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0, self.exhausted,
+                          self._unread(), stop, not ok, self.handoff.stop_step if stop else NO_VALUE,
+                          **self.report_fields)
+
+    def _balance(self, slots: list, gathered: np.ndarray, decision: RoundDecision) -> tuple[tuple, object]:
+        """balance=True: exchanges 3 and 4 (every round; target 0 on stop/error/end rounds). Returns the
+        ranks in error after this round (the decision's, or those that failed to send balanced samples)."""
+        if self.rebalancer is None:
+            return decision.error_ranks, None
+        target = 0 if decision.error_ranks else decision.target
+        outcome = self.rebalancer(slots, gathered, target)
+        if outcome.failed_ranks:  # every rank got the same flags: all go to the error round together
+            if outcome.error is not None:
+                self.error, self.error_key = outcome.error, outcome.error_key
+            return tuple(sorted(set(decision.error_ranks) | set(outcome.failed_ranks))), None
+        return decision.error_ranks, outcome
+
+    def _error_round(self, error_ranks: tuple) -> None:
+        """The one extra exchange of an error round (NOTE [ Faults in the round sequence ])."""
+        failure = self._local_failure()
+        index = sample_of(self.error_key) if failure is self.error else None
+        mine = encode_detail(failure if self._rank() in error_ranks else None, index)
+        table = self.exchange.all_gather(mine)
+        if self._rank() in error_ranks:
+            if failure is self.error and self.error is not None:
+                self.handoff.fail(self.error)
+            else:
+                self.handoff.put(("stopped",))  # the trainer's own error: it is already propagating
+            return
+        first = error_ranks[0]
+        name, message, sample = decode_detail(table[first])
+        self.handoff.fail(PeerError(first, name, message, sample, this_rank=self._rank()))
+
+    def _on_stop(self, decision: RoundDecision) -> None:
+        if self.handoff.stop_requested:
+            self.handoff.put(("stopped",))
+        else:
+            self.handoff.peer_stopped(decision.stop_rank, decision.stop_step)
 
     def _unread(self) -> int:
         return -1 if self.total is None else self.total - self.pulled
@@ -246,7 +371,7 @@ class EpochPipeline(threading.Thread):
                 self.exhausted = True
                 break
             except Exception as exc:  # a worker's exception, re-raised by the DataLoader with its traceback
-                self.error = exc
+                self._fail(self._fetch_error(exc), self.key_at(self.pulled))
                 break
             self.pulled += 1
             if self.total is not None and self.pulled >= self.total:
@@ -256,12 +381,26 @@ class EpochPipeline(threading.Thread):
             try:
                 length, tokens, resources = self.spec.measure(key, sample)
                 kept = planner.add(key, length, loss_tokens=tokens, extra=resources)
-            except ValueError as exc:
-                self.error = exc
+            except Exception as exc:  # bad input, or the user's length_fn / resources_fn failing
+                self._fail(exc, key)
                 break
             if kept:
                 self.payloads[key] = sample
-                self.on_first_sample(sample)
+                if length <= planner.grouping.token_budget:  # an IDLE batch must not be an over-budget one
+                    self.on_first_sample(sample)
+
+    def _fetch_error(self, exc: BaseException) -> BaseException:
+        return self.describe_fetch_error(exc, self.key_at(self.pulled)) if self.describe_fetch_error else exc
+
+    def _fail(self, exc: BaseException, key: object) -> None:
+        """Record this rank's failure; it is reported in the next round's exchange 1."""
+        self.error, self.error_key = exc, key
+        index = sample_of(key)
+        note = f"evenflow: on rank {self._rank()}" + (f", sample index {index}" if index is not None else "")
+        if hasattr(exc, "add_note"):  # Python >= 3.11: the original exception names the rank and sample
+            exc.add_note(note)
+        else:  # pragma: no cover - Python 3.10
+            logger.error("%s: %s: %s", note, type(exc).__name__, exc)
 
     # -- steps and windows ---------------------------------------------------------------------------------
     def _emit(self, slots: list, gathered: np.ndarray, steps_bound: int, balanced: BalancedRound | None) -> None:
@@ -273,7 +412,12 @@ class EpochPipeline(threading.Thread):
                 items, padded, owned = balanced.slots[s], balanced.padded[s], balanced.owned[s]
                 local = (len(items), sum(it.loss_tokens for it in items), int(padded[self._rank()]),
                          sum(it.length for it in items))
-            self.pending.append(dict(step=self.step, items=items, local=local, owned=owned,
+            # Collate now, in the round that formed the step: a collate_fn failure is then reported in the
+            # next round, which every rank attends (an emitting round never ends the epoch).
+            batch = self._collate(items)
+            if batch is None:
+                return
+            self.pending.append(dict(step=self.step, items=items, local=local, owned=owned, batch=batch,
                                      global_loss=int(col[:, 1].sum()), global_samples=int(col[:, 0].sum()),
                                      global_real=int(col[:, 3].sum()),
                                      max_padded=int(padded.max()), mean_padded=float(padded.mean()),
@@ -281,6 +425,21 @@ class EpochPipeline(threading.Thread):
             self.step += 1
             if len(self.pending) == self.k:
                 self._release()
+
+    def _collate(self, items: list) -> object | None:
+        keys = [it.key for it in items]
+        try:
+            samples = [self.payloads.pop(k) for k in keys] if items else [self.template()]
+            batch = self.collate_fn(samples)
+            if not isinstance(batch, Mapping):
+                raise TypeError(f"collate_fn returned {type(batch).__name__} for samples "
+                                f"{[sample_of(k) for k in keys]}; evenflow attaches its StepInfo to a mapping "
+                                "batch, so collate_fn must return a dict (e.g. {'input_ids': ..., 'labels': ...})")
+            return batch
+        except Exception as exc:  # reported in the next round's exchange 1
+            self._fail(exc, keys[0] if keys else None)
+            self.pending = []
+            return None
 
     def _rank(self) -> int:
         return self.exchange.topology.rank
@@ -296,6 +455,8 @@ class EpochPipeline(threading.Thread):
             local = p["local"]
             keys = [it.key for it in items]
             ids = [k if not self.pair_ids or isinstance(k, tuple) else (self._rank(), k) for k in keys]
+            if not self.pair_ids:
+                ids = [sample_of(k) if isinstance(k, tuple) else k for k in ids]  # carried: report the index
             info = StepInfo(step=p["step"], epoch=self.epoch, is_idle=not items, local_samples=int(local[0]),
                             global_samples=p["global_samples"], local_loss_tokens=int(local[1]),
                             global_loss_tokens=p["global_loss"],
@@ -305,14 +466,7 @@ class EpochPipeline(threading.Thread):
                             world_size=self.world, window_loss_tokens=window_tokens, window_end=i == last,
                             max_padded_tokens=p["max_padded"], mean_padded_tokens=p["mean_padded"],
                             steps_bound=p["bound"])
-            try:
-                samples = [self.payloads.pop(k) for k in keys] if items else [self.template()]
-                batch = _attach(self.collate_fn(samples), info)
-            except Exception as exc:  # reported in the next round's exchange, raised here after it
-                self.error = exc
-                self.pending = []
-                return
-            self.handoff.put(("batch", Release(batch, info, p["owned"])))
+            self.handoff.put(("batch", Release(_attach(p["batch"], info), info, p["owned"])))
         self.pending = []
 
 

@@ -6,6 +6,7 @@ around as plain values. Every collective names its group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,7 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "resolve_topology", "MetadataExchange"]
+__all__ = ["Topology", "resolve_topology", "MetadataExchange", "PlanningGroups", "planning_groups",
+           "TwoLevelExchange"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class MetadataExchange:
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
+        self.peers: list[tuple[int, int]] | None = None
+        """``(pid, host)`` of every rank, from the last round's reports: names the ranks that died."""
+
+    def note_peers(self, pids: np.ndarray, hosts: np.ndarray) -> None:
+        self.peers = list(zip(pids.tolist(), hosts.tolist()))
 
     def all_gather(self, row: np.ndarray) -> np.ndarray:
         """``row`` (1-D int64, same size on every rank) -> ``[world_size, size]``."""
@@ -63,6 +70,111 @@ class MetadataExchange:
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError on timeouts and dead peers
             raise RuntimeError(
                 f"evenflow: rank {self.topology.rank}'s metadata exchange failed ({type(exc).__name__}: {exc}). "
-                "A peer rank most likely died, stopped iterating its loader, or built a different loader; "
-                "check the other ranks' logs (the failing rank prints its own error)") from exc
+                f"{_who_died(self.peers, self.topology.rank)} Check the other ranks' logs (a rank that failed "
+                "prints its own error)") from exc
         return torch.stack(out).numpy()
+
+
+def _who_died(peers: list[tuple[int, int]] | None, me: int) -> str:
+    """Name the dead ranks among those on this host (pids from the last round); gloo's error names none."""
+    generic = "A peer rank most likely died, stopped iterating its loader, or built a different loader."
+    if not peers:
+        return generic
+    host = peers[me][1]
+    dead = [r for r, (pid, h) in enumerate(peers) if r != me and h == host and pid > 0 and not _alive(pid)]
+    remote = [r for r, (_, h) in enumerate(peers) if h != host]
+    if dead:
+        return (f"Rank(s) {dead} (pid {[peers[r][0] for r in dead]}) are no longer running: they died (killed, out "
+                "of memory, or exited) during the epoch.")
+    tail = f"; ranks {remote} are on other hosts and could not be checked" if remote else ""
+    return (f"Every rank on this host is still running{tail}: a peer most likely stopped iterating its loader "
+            "(or is stuck in its own code) without closing it.")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) still answers kill(pid, 0)
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+# -- planning groups (planning="global"): a metadata exchange within each group, and one across groups ------
+@dataclass(frozen=True)
+class PlanningGroups:
+    """Consecutive blocks of ``size`` ranks of the metadata group (the last may be smaller)."""
+
+    inner: Topology
+    """This rank inside its planning group (the whole metadata group when there is one group)."""
+    index: int
+    """Which planning group this rank is in."""
+    starts: tuple[int, ...]
+    """First rank of every planning group (ranks of the metadata group)."""
+    leaders: object | None
+    """gloo group of the first rank of every planning group (None with one group)."""
+
+
+def planning_groups(topology: Topology, size: int, timeout: timedelta) -> PlanningGroups:
+    """Build the planning groups; collective over the metadata group when there is more than one group
+    (every rank creates every group, in the same order, as ``new_group`` requires)."""
+    world = topology.world_size
+    starts = tuple(range(0, world, size))
+    index = topology.rank // size
+    if len(starts) == 1:
+        return PlanningGroups(topology, 0, starts, None)
+    members = [list(range(s, min(s + size, world))) for s in starts]
+    to_global = [dist.get_global_rank(topology.group, r) for r in range(world)]
+    mine = None
+    for g, ranks in enumerate(members):
+        pg = dist.new_group([to_global[r] for r in ranks], backend="gloo", timeout=timeout)
+        if g == index:
+            mine = pg
+    leaders = dist.new_group([to_global[s] for s in starts], backend="gloo", timeout=timeout)
+    inner = Topology(topology.rank - starts[index], len(members[index]), mine)
+    return PlanningGroups(inner, index, starts, leaders)
+
+
+class TwoLevelExchange(MetadataExchange):
+    """The same ``[world_size, size]`` result as :class:`MetadataExchange`, gathered in two levels.
+
+    A ring all_gather over W ranks takes W - 1 hops; this takes (k - 1) inside the planning group, then
+    (W/k - 1) among the group leaders, then a broadcast inside the group (log2 k hops): at 2,560 ranks in
+    groups of 64, ~110 hops instead of 2,559 (benchmarks/bench_gloo.py measures and models it).
+    """
+
+    def __init__(self, topology: Topology, groups: PlanningGroups) -> None:
+        super().__init__(topology)
+        self.groups = groups
+        self.inner = MetadataExchange(groups.inner)
+        self._leader = dist.get_global_rank(topology.group, groups.starts[groups.index])
+
+    def all_gather(self, row: np.ndarray) -> np.ndarray:
+        row = np.ascontiguousarray(row, dtype=np.int64)
+        g, world = self.groups, self.topology.world_size
+        block = self.inner.all_gather(row)  # [k, size] of this planning group
+        widest = max(b - a for a, b in zip(g.starts, g.starts[1:] + (world,)))
+        table = torch.empty((world, row.size), dtype=torch.int64)
+        try:
+            if g.inner.rank == 0:
+                padded = torch.zeros((widest, row.size), dtype=torch.int64)
+                padded[:len(block)] = torch.from_numpy(block)
+                out = [torch.empty_like(padded) for _ in g.starts]
+                dist.all_gather(out, padded, group=g.leaders)
+                for s, start in enumerate(g.starts):
+                    end = g.starts[s + 1] if s + 1 < len(g.starts) else world
+                    table[start:end] = out[s][:end - start]
+            dist.broadcast(table, src=self._leader, group=g.inner.group)
+        except Exception as exc:  # the same failure modes (and message) as the flat exchange
+            raise RuntimeError(
+                f"evenflow: rank {self.topology.rank}'s two-level metadata exchange failed ({type(exc).__name__}: "
+                f"{exc}). A peer rank most likely died, stopped iterating its loader, or built a different "
+                "loader; check the other ranks' logs (the failing rank prints its own error)") from exc
+        return table.numpy()

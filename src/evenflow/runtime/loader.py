@@ -13,28 +13,36 @@ buffers samples, groups them under the budget, aligns group counts across ranks 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torch.utils.data import Dataset
 
-from ..planning.alignment import AlignmentConfig, RankPlanner, config_fingerprint
+from ..planning.alignment import NO_VALUE, AlignmentConfig, RankPlanner, config_fingerprint
 from ..planning.grouping import CostModel, GroupingConfig, OversizePolicy
 from ..planning.loss import LossTokenRule
 from .collate import FlatCollate, PadCollate
 from .collator import EpochPipeline, Handoff, Release, SampleSpec
-from .comm import MetadataExchange, resolve_topology
+from .comm import resolve_topology
+from .faults import sample_of
+from .planning import setup_planning
+from .resume import check_schema, key_order, validate_state
 from .source import StreamOptions, Streams, shard_indices
-from .step_info import StepInfo
+from .step_info import StepInfo, UsageCheck, UsageTracker
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 
 logger = logging.getLogger("evenflow")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 # How long close() waits for the collation thread beyond the exchange timeout before giving up on it.
 _JOIN_MARGIN_S = 10.0
+# Inside `with loader:`, how long a closed iterator waits for __exit__ to say whether an exception ended
+# the loop (then peers raise PeerError) before it reports a plain STOP (NOTE [ Early stops ]).
+_EXIT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +62,23 @@ class LoaderConfig:
     balance: bool = False
     """Move samples between ranks' batches of each step so their costs match, and give ranks that would be
     IDLE real work (evenflow.runtime.balancing). Costs one more small exchange and one all-to-all per round."""
+    planning: str = "local"
+    """``"local"``: each rank groups its own buffer. ``"global"``: the ranks of a planning group pool their
+    buffers' metadata and group the union (evenflow.runtime.global_round); subsumes ``balance``."""
+    planning_group: int | None = None
+    """Ranks per planning group under ``planning="global"`` (consecutive ranks); ``None``: all ranks up to 64,
+    else blocks of 8 (evenflow.runtime.planning.default_planning_group)."""
 
     def __post_init__(self) -> None:
+        if self.planning not in ("local", "global"):
+            raise ValueError(f"planning must be 'local' or 'global', got {self.planning!r}")
+        if self.planning_group is not None and (isinstance(self.planning_group, bool)
+                                                or not isinstance(self.planning_group, int) or self.planning_group < 1):
+            raise ValueError(f"planning_group must be a positive int (ranks per planning group) or None, got "
+                             f"{self.planning_group!r}")
+        if self.planning == "global" and self.balance:
+            raise ValueError("planning='global' already balances every step (it forms the groups over all ranks' "
+                             "buffers); pass balance=False with it, or planning='local' with balance=True")
         if not isinstance(self.depth, int) or self.depth < 1:
             raise ValueError(f"depth must be an integer >= 1, got {self.depth!r}")
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -71,7 +94,9 @@ class DynamicBatchLoader:
     epoch; with ``join=True`` every sample of the epoch is yielded exactly once across ranks (ranks that run
     dry yield IDLE batches); no batch exceeds a budget; ``scale_loss`` gives the exact global per-token
     loss; ``state_dict``/``load_state_dict`` resume without loss or repetition; errors on any rank end the
-    epoch on every rank.
+    epoch on every rank within one round (peers raise :class:`evenflow.PeerError`; a rank that leaves its
+    loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in faults.py). Use
+    ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an error.
 
     Constructing a loader is a collective when ``torch.distributed`` is initialized and no
     ``process_group`` is given (it creates a gloo group): build it on every rank, in the same order.
@@ -86,6 +111,50 @@ class DynamicBatchLoader:
     pickled (copied into this process, NOTE [ Sample transport ] in source.py); larger ones (images, audio)
     stay in shared memory while buffered, so /dev/shm must hold the buffered large tensors plus
     ``prefetch_factor x num_workers`` in-flight samples.
+
+    Arguments (keyword-only after ``dataset``; there is no ``batch_size``: the budget sizes batches):
+
+    - ``dataset``: map-style ``Dataset`` (sharded across ranks by the loader) or ``IterableDataset`` (each rank's
+      own stream). Samples are mappings with ``input_ids`` and optional ``labels``.
+    - ``token_budget``: the cost one batch may have on one rank: padded tokens (rows x longest) under
+      ``cost="padded"``, summed tokens under ``cost="summed"``.
+    - ``collate_fn``: turns a list of samples into a batch dict; default :class:`PadCollate` (padded) or
+      :class:`FlatCollate` (summed). The loader adds the StepInfo after it.
+    - ``num_workers``, ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``multiprocessing_context``,
+      ``worker_init_fn``: as in ``torch.utils.data.DataLoader``, for the workers that run the dataset one sample
+      at a time.
+    - ``join``: ``True`` -- each sample of the epoch exactly once across ranks, ranks that run dry yield IDLE
+      batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
+    - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
+    - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM).
+    - ``depth``: ready batches kept ahead of the trainer.
+    - ``cost``: ``"padded"`` or ``"summed"`` (padding-free; switches the default collate to ``FlatCollate``).
+    - ``max_samples``: cap on samples per batch (``None``: no cap).
+    - ``extra_budgets``: further per-batch budgets, e.g. ``{"num_patches": 4096}``; values come from the sample
+      keys of that name or ``resources_fn``.
+    - ``oversize``: a sample over a budget on its own: ``"error"`` (default), ``"alone"`` (its own batch) or
+      ``"drop"`` (removed, counted in :attr:`dropped`).
+    - ``pad_to_multiple_of``: round each batch's padded length up (the planner costs the rounded shape).
+    - ``max_steps_per_round``: most batches one alignment round emits per rank.
+    - ``max_wait_rounds``: rounds after which a buffered sample is prioritized (bounded waiting).
+    - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window.
+    - ``length_fn``: ``sample -> int`` cost length (default ``len(sample["input_ids"])``).
+    - ``resources_fn``: ``sample -> {name: int}`` for ``extra_budgets``.
+    - ``loss_tokens``: :class:`~evenflow.LossTokenRule` -- which labels count as supervised (shift, ignore index).
+    - ``pad_token_id``: padding id for the default collate.
+    - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
+    - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
+    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``,
+      a dead worker); the rank then raises naming the sample and its peers raise ``PeerError``. Must be
+      below ``timeout`` so the report reaches peers first; raise both for slow decoding.
+    - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams).
+    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round).
+    - ``planning``: ``"local"`` (each rank groups its own buffer) or ``"global"`` (a planning group's ranks group
+      the union of their buffers' metadata; subsumes ``balance``); ``planning_group``: ranks per such group
+      (``None``: all ranks up to 64, else blocks of 8). See :class:`LoaderConfig`.
+    - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.runtime.step_info.StepInfoMisuse` a few
+      fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
+      ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).
     """
 
     def __init__(self, dataset: Dataset, *, token_budget: int, collate_fn: Callable | None = None,
@@ -99,7 +168,11 @@ class DynamicBatchLoader:
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory: bool = False,
                  multiprocessing_context: object = None, worker_init_fn: Callable | None = None,
                  process_group: object | None = None, timeout: timedelta = timedelta(minutes=5),
-                 idle_sample: Mapping | None = None, balance: bool = False) -> None:
+                 worker_timeout: timedelta = timedelta(minutes=4),
+                 idle_sample: Mapping | None = None, balance: bool = False, usage_check: UsageCheck = "taken",
+                 planning: str = "local", planning_group: int | None = None, **unknown: object) -> None:
+        if unknown:
+            raise TypeError(_unknown_arguments(unknown))
         grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
                                   extra_budgets=dict(extra_budgets or {}), oversize=oversize,
                                   pad_to_multiple_of=pad_to_multiple_of)
@@ -107,9 +180,12 @@ class DynamicBatchLoader:
                                     max_wait_rounds=max_wait_rounds, buffer_size=buffer_size)
         self.config = LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
                                    grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
-                                   timeout=timeout, balance=balance)
+                                   timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        _check_worker_timeout(worker_timeout, timeout, num_workers)
+        self.worker_timeout = worker_timeout
+        self.num_workers = num_workers
         self.dataset = dataset
         if collate_fn is None:
             collate_cls = FlatCollate if cost == "summed" else PadCollate
@@ -119,14 +195,18 @@ class DynamicBatchLoader:
                                resource_names=tuple(grouping.extra_budgets), loss_rule=self.config.loss_tokens)
         self.streams = Streams(dataset, StreamOptions(
             num_workers=num_workers, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn))
+            pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
+            timeout=worker_timeout.total_seconds() if num_workers > 0 else 0))
         self.topology = resolve_topology(process_group, timeout)
-        self.exchange = MetadataExchange(self.topology)
         self.rank = self.topology.rank
         self.world_size = self.topology.world_size
+        # Collective when planning="global" has more than one planning group (it creates their gloo groups).
+        self._planning = setup_planning(planning, planning_group, self.topology, timeout)
+        self.exchange = self._planning.exchange
         self.fingerprint = config_fingerprint(self.config.grouping, self.config.alignment, self.config.seed,
                                               self.config.shuffle, self.config.grad_accum_steps,
-                                              self.config.loss_tokens, self.config.balance, self.world_size)
+                                              self.config.loss_tokens, self.config.balance, self.world_size,
+                                              self.config.planning, self._planning.size)
         self.idle_sample = idle_sample
         self._template: object | None = None
         self._epoch = 0
@@ -136,6 +216,10 @@ class DynamicBatchLoader:
         self._consumed: set = set()       # keys of completed accumulation windows, this epoch
         self._window_keys: list = []      # keys of the window in progress
         self._steps_done = 0              # steps yielded this epoch
+        self._committed = 0               # steps of completed accumulation windows, this epoch (state "step")
+        self._resume = NO_VALUE           # 2 * step + finished of the state this epoch resumed from (RankReport)
+        self._entered = False             # inside `with loader:` (NOTE [ Early stops ])
+        self._keys: list = []             # this epoch's sample keys in stream order (map-style)
         self._finished = False            # the current epoch ran to its end
         self._bound = -1                  # steps_bound of the last yielded batch
         self._pipeline: EpochPipeline | None = None
@@ -144,9 +228,9 @@ class DynamicBatchLoader:
         self._payloads: dict = {}
         self._iterable_stream: Iterator | None = None  # quota mode: the raw stream a carried epoch continues
         self._position = 0                # next stream position (iterable datasets)
-        self._indices: list = []          # this epoch's index list (map-style)
         self.dropped: list = []
         """Keys removed under ``oversize="drop"`` (also logged and warned)."""
+        self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
 
     # -- public API ----------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -156,6 +240,8 @@ class DynamicBatchLoader:
             if state["finished"] and epoch == state["epoch"] + 1:
                 self._next_carry, self._finished = list(state["next_carry"]), True
             self._pending_state = None
+        if epoch != self._epoch:
+            self._bound = -1
         self._epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
@@ -164,20 +250,20 @@ class DynamicBatchLoader:
         self._start_epoch()
         try:
             while True:
-                kind, *payload = self._handoff.get(self._pipeline.is_alive)
+                self._usage.check(self.rank)
+                kind, *payload = self._handoff.get(self._pipeline.is_alive, self._steps_done)
                 if kind == "batch":
                     release: Release = payload[0]
                     self._on_yield(release)
+                    self._usage.handed_out(release.info)
                     yield release.batch
                 elif kind == "end":
                     self._finish_epoch()
                     return
-                elif kind == "stopped":
+                else:  # "stopped": this rank's own stop or error round
                     return
-                else:
-                    raise payload[0]
         finally:
-            self._stop_epoch()
+            self._close_iterator()
 
     def __len__(self) -> int:
         """Upper bound on this epoch's steps, identical on every rank; tightens as the epoch runs.
@@ -187,22 +273,31 @@ class DynamicBatchLoader:
         if self._bound >= 0:
             return self._bound
         if self.streams.iterable:
-            raise TypeError("len() is unknown for an IterableDataset before its first batch; iterate to exhaustion")
+            raise TypeError("len() is unknown for an IterableDataset (its length is only known at its end); "
+                            "iterate to exhaustion, or give the trainer a step count")
         n = len(self.dataset)
-        if self._carry or self._pending_state is not None:
+        carry = self._next_carry if self._finished else self._carry
+        if carry or self._pending_state is not None:
             return 2 * n  # rank-local carry/resume state: only a rank-independent bound is safe here
         return -(-n // self.world_size)
 
-    def close(self) -> None:
-        """Stop the current epoch on every rank (coordinated through the protocol) and release workers."""
-        self._stop_epoch()
+    def close(self, exc: BaseException | None = None) -> None:
+        """Stop the current epoch on every rank (coordinated through the protocol) and release workers.
+
+        ``exc``: the exception that ends training on this rank; peers then raise :class:`evenflow.PeerError`
+        naming it instead of :class:`evenflow.PeerStopped` (NOTE [ Faults in the round sequence ]). Call it
+        while the loop's iterator is still open (inside the loop's ``except``), or use ``with loader:``.
+        """
+        self._stop_epoch(exc)
         self._iterable_stream = None
 
     def __enter__(self) -> DynamicBatchLoader:
+        self._entered = True
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._entered = False
+        self.close(exc)
 
     def __del__(self) -> None:
         handoff = getattr(self, "_handoff", None)
@@ -225,16 +320,19 @@ class DynamicBatchLoader:
             "join": self.config.alignment.join,
             "epoch": self._epoch,
             "finished": self._finished,
+            "step": self._committed,
+            "num_workers": self.num_workers,
             "carry": list(self._carry),
             "next_carry": list(self._next_carry),
-            "consumed": sorted(self._consumed),
+            "consumed": sorted(self._consumed, key=key_order),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Resume from :meth:`state_dict` (local to this rank). The next ``iter()`` continues that epoch."""
-        if state.get("version") != STATE_VERSION:
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by "
                              "an incompatible evenflow release")
+        check_schema(state)  # fields and types first: the checks below read them
         if state["world_size"] != self.world_size:
             raise ValueError(f"cannot resume: the state was saved with world_size={state['world_size']} but this "
                              f"job has {self.world_size}; each rank's shard would change. Resume with the same "
@@ -249,68 +347,133 @@ class DynamicBatchLoader:
                              "grad_accum_steps) differs from the saved one; use the saved configuration")
         if not self.streams.iterable and state["num_samples"] != len(self.dataset):
             raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(self.dataset)}")
+        state = self._validated(state)
         if self.streams.iterable and not state["join"] and (state["carry"] or state["consumed"]):
             raise ValueError("cannot resume an IterableDataset in quota mode (join=False) mid-stream: its carried "
                              "samples live in memory only; resume at an epoch boundary or use join=True")
         self._stop_epoch()
         self._pending_state = dict(state)
         self._epoch = state["epoch"]
+        self._bound = -1
+
+    def _validated(self, state: Mapping) -> dict:
+        iterable = self.streams.iterable
+        shard = None
+        if not iterable:  # the shard of the saved epoch: consumed and carried keys must come from it
+            shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=state["epoch"],
+                                  seed=self.config.seed, shuffle=self.config.shuffle)
+        return validate_state(state, num_samples=None if iterable else len(self.dataset), shard=shard,
+                              num_workers=self.num_workers, dropping=self.config.grouping.oversize == "drop")
 
     # -- epoch lifecycle -----------------------------------------------------------------------------------
     def _start_epoch(self) -> None:
         self._stop_epoch()
-        state, self._pending_state = self._pending_state, None
-        if state is not None and not state["finished"]:
-            carry, consumed = list(state["carry"]), set(state["consumed"])
-        else:
-            if state is not None:  # that epoch was complete: start the next pass with what it carried
-                self._next_carry, self._finished = list(state["next_carry"]), True
-            # Quota mode: a pass that ran to its end hands its leftovers to the next pass.
-            carry, consumed = list(self._next_carry if self._finished else self._carry), set()
+        self._usage.reset()
+        carry, consumed = self._begin_state()
         self._carry, self._consumed, self._window_keys = carry, consumed, []
-        self._steps_done, self._finished, self._bound, self._next_carry = 0, False, -1, []
+        self._steps_done, self._committed, self._finished, self._bound, self._next_carry = 0, 0, False, -1, []
         alignment = self.config.alignment
         keep_planner = not alignment.join and self.streams.iterable and self._planner is not None
         if not keep_planner:
             self._planner = RankPlanner(self.config.grouping, alignment, seed=self.config.seed)
             self._payloads = {}
-        if self.streams.iterable:
-            # Keys are stream positions; quota mode keeps counting across epochs so carried keys stay unique.
-            if not keep_planner:
-                self._position = 0
-            fresh = self.streams.open()
-            old = self._iterable_stream if keep_planner else None
-            stream = _Numbered(self, _chain(old, fresh) if old is not None else fresh)
-            total, skip = None, frozenset(consumed)
-        else:
-            shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch,
-                                  seed=self.config.seed, shuffle=self.config.shuffle)
-            carried = set(carry)
-            indices = [i for i in carry + [i for i in shard if i not in carried] if i not in consumed]
-            stream = self.streams.open(indices)
-            total, skip = len(indices), frozenset()
-            self._indices = indices
-        self._iterable_stream = stream.raw if self.streams.iterable else None
-        self._handoff = Handoff()
+        # A failure here (a worker that cannot start, a dataset whose len() raises) is reported through the
+        # epoch's first round like any other, so peers raise PeerError instead of waiting for the timeout.
+        error, stream, total, skip = None, None, 0, frozenset()
+        try:
+            stream, total, skip = self._open_stream(carry, consumed, keep_planner)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank (NOTE [ Faults in the round sequence ])
+            error = exc
+        self._handoff = Handoff(self.rank)
         self._pipeline = EpochPipeline(
             planner=self._planner, stream=stream, total=total, skip=skip, exchange=self.exchange,
             fingerprint=self.fingerprint, spec=self.spec, collate_fn=self.collate_fn, handoff=self._handoff,
             epoch=self._epoch, depth=self.config.depth, grad_accum_steps=self.config.grad_accum_steps,
             payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template,
-            rebalancer=self._rebalancer())
+            rebalancer=(global_round := self._global_round()) or self._rebalancer(), global_round=global_round,
+            planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
+            error=error, describe_fetch_error=self._describe_fetch_error)
         self._pipeline.start()
+
+    def _begin_state(self) -> tuple[list, set]:
+        """This epoch's carried keys and already-consumed keys, from a pending resume state or the last pass."""
+        state, self._pending_state = self._pending_state, None
+        self._resume = NO_VALUE
+        if state is not None and not state["finished"]:
+            self._resume = 2 * state["step"]
+            return list(state["carry"]), set(state["consumed"])
+        if state is not None:  # that epoch was complete: start the next pass with what it carried
+            self._resume = 2 * state["step"] + 1
+            self._next_carry, self._finished = list(state["next_carry"]), True
+        # Quota mode: a pass that ran to its end hands its leftovers to the next pass.
+        return list(self._next_carry if self._finished else self._carry), set()
+
+    def _open_stream(self, carry: list, consumed: set, keep_planner: bool) -> tuple[Iterator, int | None, frozenset]:
+        if self.streams.iterable:
+            # Keys are stream positions; quota mode keeps counting across epochs so carried keys stay unique.
+            if not keep_planner:
+                self._position = 0
+            old = self._iterable_stream if keep_planner else None
+            if old is None:
+                raw = self.streams.open()
+            elif self.streams.persistent:
+                # Persistent workers: opening resets the one worker iterator, which would drop the unread rest of
+                # the old pass (and re-read its start). Open the new pass only once the old one is exhausted.
+                raw = _chain(old, _deferred(self.streams.open))
+            else:
+                raw = _chain(old, self.streams.open())
+            self._iterable_stream = raw
+            self._keys = []
+            return _Numbered(self, raw), None, frozenset(consumed)
+        shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch,
+                              seed=self.config.seed, shuffle=self.config.shuffle)
+        # Carried keys are (epoch, index) pairs, so a carried index that is also in this epoch's shard (of this
+        # rank or, with balance=True, of another) is a second, distinct sample-epoch, never deduplicated away.
+        keys = [k for k in carry + shard if k not in consumed]
+        self._keys = keys
+        self._iterable_stream = None
+        return _Keyed(keys, self.streams.open([sample_of(k) for k in keys])), len(keys), frozenset()
+
+    def _key_at(self, pulled: int) -> object:
+        """The key of the ``pulled``-th sample of this epoch's stream (names a sample whose fetch failed)."""
+        if self.streams.iterable:
+            return self._position
+        return self._keys[pulled] if pulled < len(self._keys) else None
+
+    def _report_fields(self) -> dict:
+        try:
+            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset))
+        except Exception:  # noqa: BLE001 - len() failing is reported by _open_stream in the same round
+            kind = "len() failed"
+        return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
+                    host=_HOST)
+
+    def _describe_fetch_error(self, exc: BaseException, key: object) -> BaseException:
+        if "DataLoader timed out" not in str(exc):
+            return exc
+        where = f"sample index {sample_of(key)}" if sample_of(key) is not None else "the next sample"
+        err = RuntimeError(
+            f"evenflow: rank {self.rank}'s DataLoader workers delivered no sample within worker_timeout="
+            f"{self.worker_timeout.total_seconds():g}s while it waited for {where}: a __getitem__/__iter__ that "
+            "blocks, a worker that died, or a sample that cannot be pickled to leave its worker (a lock, an open "
+            "file). If decoding is legitimately this slow, raise worker_timeout= (and timeout= above it)")
+        err.__cause__ = exc
+        return err
 
     def _on_yield(self, release: Release) -> None:
         info: StepInfo = release.info
         self._steps_done += 1
-        self._bound = max(info.steps_bound, self._steps_done)
+        if not self.streams.iterable:  # iterable epochs have no bound before their end (len() raises)
+            self._bound = max(info.steps_bound, self._steps_done)
         self._window_keys.extend(release.keys)
         if info.window_end:
             self._consumed.update(self._window_keys)
             self._window_keys = []
+            self._committed = self._steps_done
 
     def _finish_epoch(self) -> None:
         self._finished = True
+        self._bound = -1  # len() before the next epoch is that epoch's bound, not this one's
         planner = self._planner
         self.dropped.extend(k for k in planner.dropped if k not in self.dropped)
         if self.config.alignment.join:
@@ -320,16 +483,29 @@ class DynamicBatchLoader:
         if self.streams.iterable:
             self._next_carry = [it.key for it in planner.buffer]
         else:
-            pipeline = self._pipeline
-            self._next_carry = [it.key for it in planner.buffer] + self._indices[pipeline.pulled:]
+            unread = self._keys[self._pipeline.pulled:]
+            self._next_carry = [_carried(it.key, self._epoch) for it in planner.buffer] + [
+                _carried(k, self._epoch) for k in unread]
             logger.debug("evenflow quota mode: rank %d carries %d samples into the next epoch", self.rank,
                          len(self._next_carry))
 
-    def _stop_epoch(self) -> None:
+    def _close_iterator(self) -> None:
+        """The epoch's generator is closed: at its end, on a break, or by an exception leaving the loop."""
         pipeline, handoff = self._pipeline, self._handoff
         if pipeline is None:
             return
-        handoff.request_stop()
+        if self._entered and pipeline.is_alive():
+            # Inside `with loader:` an exception leaving the loop reaches __exit__ right after this: give it the
+            # chance to report an error rather than a STOP (NOTE [ Early stops ]).
+            handoff.defer_stop(self._steps_done, _EXIT_GRACE_S)
+            return
+        self._stop_epoch()
+
+    def _stop_epoch(self, error: BaseException | None = None) -> None:
+        pipeline, handoff = self._pipeline, self._handoff
+        if pipeline is None:
+            return
+        handoff.request_stop(self._steps_done, error)
         pipeline.join(self.config.timeout.total_seconds() + _JOIN_MARGIN_S)
         if pipeline.is_alive():
             logger.warning("evenflow: the collation thread of rank %d did not stop within the timeout; a peer "
@@ -338,6 +514,13 @@ class DynamicBatchLoader:
         self._handoff = None
         if not self.streams.iterable or self.config.alignment.join:
             self._iterable_stream = None
+
+    def _global_round(self):
+        if self._planning.groups is None:
+            return None
+        from .global_round import GlobalRound  # imports scipy only when asked for
+        return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
+                           self._payloads, seed=self.config.seed, pair_keys=self.streams.iterable)
 
     def _rebalancer(self):
         if not self.config.balance:
@@ -363,9 +546,64 @@ class DynamicBatchLoader:
                            "IterableDataset stream was empty); pass idle_sample={...} to DynamicBatchLoader")
 
 
+# Arguments users bring from DataLoader / other dynamic batchers, and what evenflow calls them.
+_RENAMED = {"batch_size": "token_budget", "max_tokens": "token_budget", "max_tokens_per_batch": "token_budget",
+            "max_batch_tokens": "token_budget", "drop_last": "join", "sampler": "shuffle/seed",
+            "batch_sampler": "token_budget", "collate": "collate_fn", "generator": "seed",
+            "gradient_accumulation_steps": "grad_accum_steps"}
+
+
+def _unknown_arguments(unknown: Mapping) -> str:
+    hints = [f"{k}= -> {_RENAMED[k]}=" for k in unknown if k in _RENAMED]
+    text = (f"DynamicBatchLoader got unexpected keyword argument(s) {', '.join(map(repr, unknown))}. Batches are sized "
+            "by token_budget=N (padded tokens per batch per rank under cost='padded', summed tokens under "
+            "cost='summed'), not by a sample count; cap samples per batch with max_samples=")
+    return text + (f" (use {'; '.join(hints)})" if hints else "") + ". See help(evenflow.DynamicBatchLoader)"
+
+
 def _chain(first: Iterator, second: Iterator) -> Iterator:
     yield from first
     yield from second
+
+
+def _deferred(open_stream: Callable[[], Iterator]) -> Iterator:
+    yield from open_stream()
+
+
+def _carried(key: object, epoch: int) -> object:
+    """Quota mode, map-style: the key a sample of ``epoch`` keeps when it is carried into later epochs."""
+    return key if isinstance(key, tuple) else (epoch, key)
+
+
+def _check_worker_timeout(worker_timeout: object, timeout: object, num_workers: int) -> None:
+    if not isinstance(worker_timeout, timedelta) or worker_timeout.total_seconds() <= 0:
+        raise ValueError(f"worker_timeout must be a positive datetime.timedelta, got {worker_timeout!r}")
+    if num_workers > 0 and isinstance(timeout, timedelta) and worker_timeout >= timeout:
+        raise ValueError(f"worker_timeout={worker_timeout} must be shorter than timeout={timeout}: a rank whose "
+                         "worker is stuck must report it to its peers before their metadata exchange times out. "
+                         "Lower worker_timeout= or raise timeout=")
+
+
+_HOST = config_fingerprint(socket.gethostname())
+"""This host, as ranks compare it: a failed exchange names the dead ranks it can check (same host)."""
+
+
+class _Keyed:
+    """``(key, sample)`` over a map-style stream of ``(index, sample)``: keys in the order they were listed."""
+
+    def __init__(self, keys: list, raw: Iterator) -> None:
+        self.keys = keys
+        self.raw = raw
+        self.position = 0
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> tuple:
+        index, sample = next(self.raw)
+        key = self.keys[self.position]
+        self.position += 1
+        return key, sample
 
 
 class _Numbered:

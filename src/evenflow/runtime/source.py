@@ -7,6 +7,7 @@ rank's own stream; the key of a sample is its position in that stream.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,18 +73,58 @@ class _Packed:
         self.array = array
 
 
-def _pack(obj):
-    """Worker side: small CPU tensors -> :class:`_Packed`, inside dicts, lists and tuples."""
+def _pack(item):
+    """Worker side: small CPU tensors -> :class:`_Packed`, inside dicts, lists and tuples; refuse what cannot
+    leave the worker (NOTE [ Samples that cannot be pickled ])."""
+    _check_picklable(item)
+    return _pack_value(item)
+
+
+def _pack_value(obj):
     if isinstance(obj, torch.Tensor):
         if (obj.device.type == "cpu" and not obj.requires_grad and obj.dtype in _NUMPY_DTYPES
                 and obj.numel() * obj.element_size() < _PICKLE_MAX_BYTES):
             return _Packed(obj.numpy())
         return obj
     if type(obj) is dict:
-        return {k: _pack(v) for k, v in obj.items()}
+        return {k: _pack_value(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(_pack(v) for v in obj)
+        return type(obj)(_pack_value(v) for v in obj)
     return obj
+
+
+# NOTE [ Samples that cannot be pickled ]
+#     A worker hands its result to a queue feeder thread, which pickles it; when that fails (a lock, an open
+#     file, a generator in the sample) the feeder prints a traceback and *drops* the sample, and the main
+#     process waits for it forever. So the worker pickles every leaf that is not a tensor, array or plain
+#     value itself (cheap: token samples have none) and raises, naming the sample index; the DataLoader
+#     re-raises that in the main process like any dataset error.
+_PLAIN = (torch.Tensor, np.ndarray, np.generic, str, bytes, int, float, bool, type(None))
+
+
+def _check_picklable(item) -> None:
+    index, sample = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int) else (None, item)
+    for path, leaf in _leaves(sample, "sample"):
+        try:
+            pickle.dumps(leaf)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure
+            where = f"sample index {index}" if index is not None else "a sample of the stream"
+            raise TypeError(f"{where}: {path} is a {type(leaf).__name__} that cannot be pickled ({exc}), so it "
+                            "cannot leave its DataLoader worker; return tensors, arrays, numbers or strings from "
+                            "the dataset (open files and locks inside __getitem__, not in the sample)") from exc
+
+
+def _leaves(obj, path: str):
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}[{k!r}]")
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, obj
 
 
 def _unpack(obj):
@@ -101,6 +142,12 @@ _NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, 
 
 
 def _identity(x):
+    return x
+
+
+def _checked(x):
+    """Worker side with pin_memory (tensors stay tensors): only the pickling check of :func:`_pack`."""
+    _check_picklable(x)
     return x
 
 
@@ -130,7 +177,9 @@ class Streams:
         self.dataset = dataset
         # pin_memory pins what the DataLoader returns, so packed arrays would escape it: keep tensors then.
         self.packed = options.num_workers > 0 and not options.pin_memory
-        kwargs = dict(batch_size=None, collate_fn=_pack if self.packed else _identity, num_workers=options.num_workers,
+        self.persistent = options.persistent_workers and options.num_workers > 0
+        transport = _pack if self.packed else _checked if options.num_workers else _identity
+        kwargs = dict(batch_size=None, collate_fn=transport, num_workers=options.num_workers,
                       persistent_workers=options.persistent_workers and options.num_workers > 0,
                       pin_memory=options.pin_memory, multiprocessing_context=options.multiprocessing_context,
                       worker_init_fn=options.worker_init_fn, timeout=options.timeout)

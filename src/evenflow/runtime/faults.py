@@ -1,0 +1,107 @@
+"""What a rank sees when a peer stops early or fails: :class:`PeerStopped`, :class:`PeerError`.
+
+NOTE [ Faults in the round sequence ]
+    Every failure on a rank -- a worker's exception, a sample that cannot be measured, a ``collate_fn`` or
+    ``length_fn`` error, a sample that cannot be pickled for balancing, an epoch that cannot start, or the
+    trainer's own exception passed to ``close(exc)`` / raised inside ``with loader:`` -- sets the error flag of
+    that rank's next exchange-1 report. Every rank sees the flag, so every rank then issues one more
+    fixed-size all_gather (:data:`DETAIL_WIDTH` int64: sample index, type name and message as truncated
+    UTF-8) and no other collective. The failing rank re-raises its original exception (with a note naming
+    its rank and sample); every peer raises :class:`PeerError` ahead of the batches it still holds. Rounds
+    without an error cost nothing extra. Custom exception classes need not pickle: only text travels.
+
+NOTE [ Early stops ]
+    A generator cannot tell a ``break`` from an exception leaving the loop. When rank r's iterator is closed
+    early, r reports STOP(r, s) in its next round, s = batches its trainer took. Every rank ends the epoch
+    after that round; a peer still iterating yields its batches up to step s and raises
+    :class:`PeerStopped` when it asks for batch s + 1. Ranks that all stop at the same step never ask for
+    it: that is a normal coordinated stop. A peer blocked in the user's own collective (a DDP all_reduce
+    waiting for r) cannot be pre-empted by the loader; it sees that collective's timeout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["PeerStopped", "PeerError", "DETAIL_WIDTH", "encode_detail", "decode_detail", "sample_of"]
+
+_TYPE_BYTES = 64
+_MESSAGE_BYTES = 1024
+_HEADER = 4  # has_index, index, len(type), len(message)
+DETAIL_WIDTH = _HEADER + (_TYPE_BYTES + _MESSAGE_BYTES) // 8
+"""int64 words of the error-detail exchange (issued only on rounds where some rank reported an error)."""
+
+
+class PeerStopped(RuntimeError):
+    """A peer rank stopped iterating at ``step`` (a ``break``, an exception leaving its loop, ``close()``),
+    and this rank asked for a batch past that step (NOTE [ Early stops ])."""
+
+    def __init__(self, rank: int, step: int, *, this_rank: int) -> None:
+        super().__init__(
+            f"evenflow: rank {rank} stopped iterating its loader after {step} step(s) of this epoch, so rank "
+            f"{this_rank} cannot get step {step + 1}. If rank {rank} broke out of its loop on purpose, break at "
+            "the same step on every rank; if it failed, its own log has the error (use `with loader:` or "
+            "loader.close(exc) to have its error raised here as PeerError)")
+        self.rank = rank
+        self.step = step
+
+
+class PeerError(RuntimeError):
+    """A peer rank failed; raised on every other rank within one round (NOTE [ Faults in the round sequence ]).
+
+    Attributes: ``rank``, ``type_name`` (the original exception's class name), ``detail`` (its message,
+    truncated to 1 KiB of UTF-8) and ``sample_index`` (the dataset index or stream position, or None).
+    """
+
+    def __init__(self, rank: int, type_name: str, detail: str, sample_index: int | None, *,
+                 this_rank: int) -> None:
+        where = f" at sample index {sample_index}" if sample_index is not None else ""
+        super().__init__(f"evenflow: rank {rank} failed{where} with {type_name}: {detail} (seen on rank "
+                         f"{this_rank}; rank {rank}'s log has the traceback)")
+        self.rank = rank
+        self.type_name = type_name
+        self.detail = detail
+        self.sample_index = sample_index
+
+
+def sample_of(key: object) -> int | None:
+    """The user-facing sample index of an internal key: an int; ``(epoch, index)`` for a sample carried
+    across epochs in quota mode; ``(source rank, position)`` for a balanced iterable sample."""
+    if isinstance(key, tuple) and len(key) == 2:
+        key = key[1]
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return int(key)
+    return None
+
+
+def _text(value: str, limit: int) -> bytes:
+    data = value.encode("utf-8")
+    if len(data) > limit:
+        # Keep the head and the tail: a worker's error is "Caught X in DataLoader worker..." + a traceback
+        # whose *last* line is the actual error.
+        head = limit // 4
+        data = data[:head] + b" [...] " + data[-(limit - head - 7):]
+    return data.decode("utf-8", errors="ignore").encode("utf-8")[:limit]  # never cut a character in half
+
+
+def encode_detail(exc: BaseException | None, sample_index: int | None) -> np.ndarray:
+    """This rank's row of the error-detail exchange (all zeros when it did not fail)."""
+    row = np.zeros(DETAIL_WIDTH, dtype=np.int64)
+    if exc is None:
+        return row
+    name, message = _text(type(exc).__name__, _TYPE_BYTES), _text(str(exc), _MESSAGE_BYTES)
+    row[:_HEADER] = [sample_index is not None, sample_index or 0, len(name), len(message)]
+    raw = np.zeros(_TYPE_BYTES + _MESSAGE_BYTES, dtype=np.uint8)
+    raw[:len(name)] = np.frombuffer(name, dtype=np.uint8)
+    raw[_TYPE_BYTES:_TYPE_BYTES + len(message)] = np.frombuffer(message, dtype=np.uint8)
+    row[_HEADER:] = raw.view(np.int64)
+    return row
+
+
+def decode_detail(row: np.ndarray) -> tuple[str, str, int | None]:
+    """``(type name, message, sample index)`` from a row of :func:`encode_detail`."""
+    has_index, index, n_name, n_message = (int(v) for v in row[:_HEADER])
+    raw = np.ascontiguousarray(row[_HEADER:], dtype=np.int64).view(np.uint8)
+    name = raw[:n_name].tobytes().decode("utf-8", errors="replace")
+    message = raw[_TYPE_BYTES:_TYPE_BYTES + n_message].tobytes().decode("utf-8", errors="replace")
+    return name, message, index if has_index else None
