@@ -40,6 +40,8 @@ logger = logging.getLogger("evenflow")
 STATE_VERSION = 2
 # How long close() waits for the collation thread beyond the exchange timeout before giving up on it.
 _JOIN_MARGIN_S = 10.0
+# How many dataset indices an IDLE placeholder search may read (map-style, only when no sample fit the budget).
+_TEMPLATE_SCAN = 1024
 # Inside `with loader:`, how long a closed iterator waits for __exit__ to say whether an exception ended
 # the loop (then peers raise PeerError) before it reports a plain STOP (NOTE [ Early stops ]).
 _EXIT_GRACE_S = 2.0
@@ -540,10 +542,27 @@ class DynamicBatchLoader:
         if self.idle_sample is not None:
             return self.idle_sample
         if not self.streams.iterable and len(self.dataset) > 0:
-            self._template = self.dataset[0]
+            self._template = self._first_within_budget()
             return self._template
         raise RuntimeError(f"rank {self.rank} must emit an IDLE batch but never received a sample (its "
                            "IterableDataset stream was empty); pass idle_sample={...} to DynamicBatchLoader")
+
+    def _first_within_budget(self) -> object:
+        """The first dataset sample whose tokens fit the budget: an IDLE batch must not be an over-budget one.
+
+        Reached only when this rank must emit an IDLE step before it buffered any sample within the budget
+        (e.g. it only ever received ``oversize="alone"`` samples); dataset[0] may itself be over the budget.
+        """
+        budget = self.config.grouping.token_budget
+        n = min(len(self.dataset), _TEMPLATE_SCAN)
+        for index in range(n):
+            sample = self.dataset[index]
+            ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
+            if ids is not None and len(ids) <= budget:
+                return sample
+        raise RuntimeError(f"rank {self.rank} must emit an IDLE batch but the first {n} dataset samples are all "
+                           f"over token_budget={budget}, so none can stand in as its placeholder; pass "
+                           "idle_sample={...} (a small sample) to DynamicBatchLoader")
 
 
 # Arguments users bring from DataLoader / other dynamic batchers, and what evenflow calls them.
