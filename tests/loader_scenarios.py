@@ -127,11 +127,11 @@ def sc_break(rank, world, n=401):
     return dict(broke=broke, asym=asym, full=full, stopped=stopped)
 
 
-def sc_resume(rank, world, n=401, stop_at=5, grad_accum_steps=1, iterable=False, balance=False):
+def sc_resume(rank, world, n=401, stop_at=5, grad_accum_steps=1, iterable=False, **kw):
     def make():
         ds = RankStream(rank, 80, 23) if iterable else TokenDataset(n)
         return evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=32, seed=7,
-                                           grad_accum_steps=grad_accum_steps, balance=balance)
+                                           grad_accum_steps=grad_accum_steps, **kw)
     loader = make()
     loader.set_epoch(1)
     before, state = [], None

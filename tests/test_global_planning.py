@@ -24,22 +24,6 @@ GLOBAL = dict(planning="global")
 
 
 # -- scenarios (module level: spawned ranks import them) -----------------------------------------------------
-class _NoLen:
-    """An iterable-dataset loader seen through ``epoch_record``: len() is unknown there, so report 0."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-
 def sc_exact(rank, world, grad_accum_steps=1, **kw):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = sc.TinyLM()
@@ -65,29 +49,6 @@ def sc_exact(rank, world, grad_accum_steps=1, **kw):
     return windows
 
 
-def sc_resume(rank, world, stop_at, iterable=False, grad_accum_steps=1, **kw):
-    def make():
-        ds = sc.RankStream(rank, 80, 23) if iterable else sc.TokenDataset(401)
-        return evenflow.DynamicBatchLoader(ds, token_budget=sc.BUDGET, buffer_size=32, seed=7,
-                                           grad_accum_steps=grad_accum_steps, **kw)
-    loader = make()
-    loader.set_epoch(1)
-    before, state = [], None
-    for batch in loader:
-        info = evenflow.pop_step_info(batch)
-        before.append(dict(ids=list(info.sample_ids), window_end=info.window_end))
-        if len(before) >= stop_at and info.window_end:
-            state = loader.state_dict()
-            break
-    loader.close()
-    fresh = make()
-    fresh.load_state_dict(state)
-    fresh.set_epoch(1)
-    after = sc.epoch_record(_NoLen(fresh) if iterable else fresh)
-    fresh.close()
-    return dict(before=before, after=after)
-
-
 def sc_quota(rank, world, epochs=3, **kw):
     loader = evenflow.DynamicBatchLoader(sc.TokenDataset(301), token_budget=sc.BUDGET, buffer_size=32, join=False,
                                          seed=1, **kw)
@@ -100,7 +61,7 @@ def sc_quota(rank, world, epochs=3, **kw):
 def sc_iterable(rank, world, workers=0, **kw):
     loader = evenflow.DynamicBatchLoader(sc.RankStream(rank, 60, 37), token_budget=sc.BUDGET, buffer_size=16,
                                          num_workers=workers, **kw)
-    rec = sc.epoch_record(_NoLen(loader))
+    rec = sc.epoch_record(loader)
     loader.close()
     return dict(steps=rec, count=sc.RankStream(rank, 60, 37).count)
 

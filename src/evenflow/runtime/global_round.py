@@ -95,7 +95,7 @@ class GlobalRound:
     """Plans and moves one round's samples for this rank (see the module docstring)."""
 
     def __init__(self, exchange: MetadataExchange, groups: PlanningGroups, grouping: GroupingConfig,
-                 alignment: AlignmentConfig, payloads: dict, *, seed: int, pair_keys: bool) -> None:
+                 alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool) -> None:
         self.exchange = exchange
         """World-wide exchange (flat or two-level): exchange B and the fingerprints."""
         self.groups = groups
@@ -103,7 +103,6 @@ class GlobalRound:
         self.grouping = grouping
         self.alignment = alignment
         self.payloads = payloads
-        self.seed = seed
         self.pair_keys = pair_keys
         """Stream positions are only unique per rank: received samples are keyed ``(source rank, position)``."""
         self.world = exchange.topology.world_size

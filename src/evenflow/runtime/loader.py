@@ -522,7 +522,7 @@ class DynamicBatchLoader:
             return None
         from .global_round import GlobalRound  # imports scipy only when asked for
         return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
-                           self._payloads, seed=self.config.seed, pair_keys=self.streams.iterable)
+                           self._payloads, pair_keys=self.streams.iterable)
 
     def _rebalancer(self):
         if not self.config.balance:
