@@ -20,6 +20,10 @@
    step, and the data-path wall time of the epoch (no training; 4 processes on 2 cores: contended). Then
    the trainer-bound overhead of each policy against a plain DataLoader delivering the same per-rank
    batches, 20 ms per step, on 4 ranks (arms alternated, medians).
+4. ``--overhead-only`` (issue 12): plain DataLoader, local and global planning in *one* world, ABBA-interleaved
+   (each evenflow arm right next to a plain DataLoader delivering its per-rank batches), >= 5 rounds, a fixed
+   synthetic compute time per step (a sleep plus a one-float all_reduce for the lockstep), per-round ratios'
+   median, IQR and range, and the load average before and after.
 
 Prints human-readable lines, then one JSON line last (``global_planning``: the real 4-rank global rows).
 """
@@ -146,7 +150,8 @@ def overhead(ds: torch.utils.data.Dataset, budget: int, repeats: int) -> dict:
 # -- 3. real processes: local, balance=True and planning="global" on 4 gloo ranks ---------------------------
 REAL_WORLD = 4
 REAL_SETS = {"chitchat_x8": "chitchat", "hh_rlhf_x8": "hh_rlhf"}
-POLICIES = {"local": {}, "balance": {"balance": True}, "global": {"planning": "global"}}
+# Explicit policies: the default, planning="auto", is "global" at 4 ranks (and "local" with balance=True).
+POLICIES = {"local": {"planning": "local"}, "balance": {"balance": True}, "global": {"planning": "global"}}
 ID_BYTES = 8  # int64 input_ids: the payload that moves (pickled, plus a few dozen bytes per sample)
 
 
@@ -270,6 +275,111 @@ def real_overhead(lengths: np.ndarray, repeats: int) -> dict:
     return out
 
 
+# -- 4. trainer-bound overhead, every arm in one world, ABBA-interleaved (issue 12) ---------------------------
+OVERHEAD_ARMS = {"local": {"planning": "local"}, "global": {"planning": "global"}}
+"""The evenflow arms; each is paired with a plain DataLoader arm delivering that arm's per-rank batches."""
+
+
+def _abba_rank(rank: int, world: int, lengths: np.ndarray, rounds: int, step_s: float) -> dict:
+    """Every arm in this one world, ``rounds`` times, in ABBA order (``plain_local, local, plain_global, global``
+    then reversed). A step is ``step_s`` of synthetic compute (a sleep: the CPU stays free for the data path,
+    as under a GPU) and one small all_reduce (the gradient sync that puts ranks in lockstep)."""
+    import torch.distributed as dist
+
+    ds = TokenLengths(lengths, cost_s=0.0005)
+    collate = evenflow.PadCollate()
+    sync = torch.zeros(1)
+
+    def step() -> None:
+        time.sleep(step_s)
+        dist.all_reduce(sync)
+
+    def run_evenflow(kwargs: dict) -> tuple[tuple[float, float], list]:
+        groups, first = [], None
+        dist.barrier()
+        start = time.perf_counter()
+        with evenflow.DynamicBatchLoader(ds, token_budget=OVERHEAD_BUDGET, seed=0, num_workers=1, **kwargs) as ld:
+            for batch in ld:
+                first = first or time.perf_counter()
+                groups.append(evenflow.pop_step_info(batch).sample_ids)
+                step()
+        end = time.perf_counter()
+        return (end - start, end - first), groups
+
+    def run_plain(groups: list) -> tuple[float, float]:
+        dist.barrier()
+        start, first = time.perf_counter(), None
+        real = [g for g in groups if g]
+        batches = iter(DataLoader(ds, batch_sampler=real, num_workers=1, collate_fn=collate)) if real else None
+        for g in groups:  # IDLE steps stay where evenflow put them: the step still trains (a zero-weight batch)
+            if g:
+                next(batches)
+            first = first or time.perf_counter()
+            step()
+        end = time.perf_counter()
+        return end - start, end - first
+
+    groups = {name: run_evenflow(kw)[1] for name, kw in OVERHEAD_ARMS.items()}  # warm-up; the plain arms' batches
+    order = [a for name in OVERHEAD_ARMS for a in (f"plain_{name}", name)]
+    times: dict[str, list[float]] = {a: [] for a in order}
+    for k in range(rounds):
+        for arm in (order if k % 2 == 0 else order[::-1]):
+            if arm.startswith("plain_"):
+                times[arm].append(run_plain(groups[arm[len("plain_"):]]))
+            else:
+                t, again = run_evenflow(OVERHEAD_ARMS[arm])
+                if again != groups[arm]:
+                    raise RuntimeError(f"rank {rank}: the {arm} arm's batches changed between runs")
+                times[arm].append(t)
+    return dict(times=times, steps={name: len(g) for name, g in groups.items()})
+
+
+def _spread(values: list[float]) -> dict:
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else (values[0],) * 3
+    return {k: round(v, 4) for k, v in dict(median=statistics.median(values), min=min(values), max=max(values),
+                                            q1=q1, q3=q3).items()}
+
+
+def overhead_abba(n: int, rounds: int, world: int, step_s: float = STEP_S) -> dict:
+    """Trainer-bound overhead of each planning policy against a plain DataLoader with the same batches:
+    per-round ratios (an arm and its plain twin run back to back in the same round), median and spread."""
+    import os
+
+    lengths = real_data.load_lengths("chitchat", n, cutoff=OVERHEAD_BUDGET)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    res = run_world(_abba_rank, world, lengths, rounds, step_s, timeout=3000)
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()
+    out = {"world": world, "samples": n, "rounds": rounds, "step_ms": step_s * 1e3, "budget": OVERHEAD_BUDGET,
+           "cores": os.cpu_count(), "loadavg_before": [round(v, 2) for v in load_before],
+           "loadavg_after": [round(v, 2) for v in load_after], "wall_s": round(wall, 1), "arms": {}}
+    for name in OVERHEAD_ARMS:
+        steps = res[0]["steps"][name]
+        out["arms"][name] = dict(steps=steps, synthetic_compute_s=round(steps * step_s, 2))
+        # which=0: the whole run (worker start-up and the first round included); 1: from the first batch on
+        for which, label in ((0, ""), (1, "_from_first_batch")):
+            ours = [max(r["times"][name][k][which] for r in res) for k in range(rounds)]  # the slowest rank
+            plain = [max(r["times"][f"plain_{name}"][k][which] for r in res) for k in range(rounds)]
+            out["arms"][name].update({f"evenflow_s{label}": _spread(ours), f"plain_s{label}": _spread(plain),
+                                      f"ratio{label}": _spread([a / b for a, b in zip(ours, plain)])})
+    return out
+
+
+def print_overhead_abba(ov: dict) -> None:
+    busy = ov["loadavg_before"][0] > 0.5 * ov["cores"] or ov["loadavg_after"][0] > 0.5 * ov["cores"]
+    print(f"trainer-bound overhead, {ov['world']} ranks, {ov['samples']} chitchat samples, budget {ov['budget']}, "
+          f"{ov['step_ms']:.0f} ms synthetic step + all_reduce, {ov['rounds']} ABBA rounds; load average "
+          f"{ov['loadavg_before'][0]:.1f} before / {ov['loadavg_after'][0]:.1f} after on {ov['cores']} cores"
+          f"{' (contended: other work shares the cores)' if busy else ''}")
+    for name, a in ov["arms"].items():
+        for label, what in (("", "whole run"), ("_from_first_batch", "from the first batch")):
+            r, e, p = a[f"ratio{label}"], a[f"evenflow_s{label}"], a[f"plain_s{label}"]
+            print(f"  {name:6s} {a['steps']} steps ({a['synthetic_compute_s']:.1f} s of steps), {what}: evenflow "
+                  f"median {e['median']:.2f} s, plain DataLoader {p['median']:.2f} s; per-round ratio median "
+                  f"{r['median']:.3f} (IQR {r['q1']:.3f}-{r['q3']:.3f}, range {r['min']:.3f}-{r['max']:.3f})")
+
+
 def real_section(quick: bool) -> dict:
     result = real_quality_section(quick)
     result["overhead_trainer_bound_4ranks"] = real_overhead_section(quick)
@@ -314,7 +424,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller overhead run")
     parser.add_argument("--real-only", action="store_true", help="only section 3 (real 4-rank processes)")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only section 4: plain DataLoader vs local vs global, ABBA-interleaved in one world")
+    parser.add_argument("--world", type=int, default=2, help="ranks for --overhead-only")
+    parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds for --overhead-only (>= 5)")
+    parser.add_argument("--samples", type=int, default=3000, help="chitchat samples for --overhead-only")
     args = parser.parse_args()
+    if args.overhead_only:
+        ov = overhead_abba(args.samples, args.rounds, args.world)
+        print_overhead_abba(ov)
+        print(json.dumps({"overhead_abba": ov}))
+        return
     if args.real_only:
         real = real_section(args.quick)
         print(json.dumps({"real_4ranks": real, "global_planning": global_planning_summary(real)}))

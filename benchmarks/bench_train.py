@@ -7,7 +7,8 @@ per rank. Token budget 2,048 per rank.
 
 Methods: Standard / Sorted / offline oracle (their schedules, fed through a plain ``DataLoader``),
 ``online-dynamic-batching`` 0.1.2's real ``ODBDataLoader`` (join mode, buffer 256 = its README's 64 x 4
-workers), and evenflow's real :class:`evenflow.DynamicBatchLoader`. Packing and varlen evenflow are not run:
+workers), and evenflow's real :class:`evenflow.DynamicBatchLoader` with ``planning="local"`` and
+``planning="global"`` (the default at 2 ranks). Packing and varlen evenflow are not run:
 they need varlen attention kernels that CPU SDPA lacks (they are simulated).
 
 Every method runs the same loop: one ``all_reduce`` of ``[has batch, supervised tokens, more to come]`` per
@@ -42,6 +43,8 @@ VOCAB = 4096
 LR = 1e-3
 SEED = 0
 ODB_BUFFER = 256
+EVENFLOW_METHODS = {"evenflow_local": "local", "evenflow_global": "global"}
+"""evenflow's rows and the planning policy each passes (at 2 ranks the default, "auto", is "global")."""
 
 
 def prepare(n_train: int, n_eval: int, path: Path) -> np.ndarray:
@@ -109,13 +112,14 @@ def _odb_stream(dataset: _Samples, shard_ids: list[int]):
         yield batch
 
 
-def _evenflow_stream(dataset: _Samples):
+def _evenflow_stream(dataset: _Samples, planning: str):
     from evenflow import DynamicBatchLoader, pop_step_info
 
     def collate(samples):
         return pad_collate(samples)
 
-    loader = DynamicBatchLoader(dataset, token_budget=BUDGET, collate_fn=collate, num_workers=0, seed=SEED)
+    loader = DynamicBatchLoader(dataset, token_budget=BUDGET, collate_fn=collate, num_workers=0, seed=SEED,
+                                planning=planning)
     try:
         for batch in loader:
             info = pop_step_info(batch)
@@ -210,8 +214,8 @@ def _rank_main(rank: int, world: int, data_path: str, schedules: dict, methods: 
             stream = _schedule_stream(schedules[m][rank], dataset)
         elif m == "odb_buf256":
             stream = _odb_stream(dataset, my_shard)
-        elif m == "evenflow_local":
-            stream = _evenflow_stream(dataset)
+        elif m in EVENFLOW_METHODS:
+            stream = _evenflow_stream(dataset, EVENFLOW_METHODS[m])
         else:
             raise ValueError(m)
         try:
@@ -266,7 +270,7 @@ def run(*, quick: bool = False, cpu_model=None) -> dict:
                   "oracle": bl.oracle(lengths, **kw)}
         per_rank = {k: [[step[r] for step in s.batches()] for r in range(WORLD)] for k, s in scheds.items()}
         methods = ["standard", "sorted", "oracle"] + (["odb_buf256"] if bl.odb_available()[0] else []) + \
-            ["evenflow_local"]
+            list(EVENFLOW_METHODS)
         prep = time.perf_counter() - t0
         results = run_world(_rank_main, WORLD, str(path), per_rank, methods, timeout=1500, pg_timeout_s=300)
     out = {"config": {"world": WORLD, "budget": BUDGET, "cutoff": CUTOFF, "n_train": n_train, "n_eval": n_eval,

@@ -428,8 +428,12 @@ def _data_fault(rank, world, kind, short):
         ds = HostileDataset(n, kind if rank == 1 else None, at)
         loader = evenflow.DynamicBatchLoader(ds, num_workers=1, **kw)
     elif kind in ("collate_mid", "collate_last"):
-        loader = evenflow.DynamicBatchLoader(TokenDataset(n), collate_fn=_LastFails(at),
+        # planning="local": the batch holding sample `at` is collated on its home rank, 1 (global planning may
+        # train it elsewhere: "collate_global")
+        loader = evenflow.DynamicBatchLoader(TokenDataset(n), collate_fn=_LastFails(at), planning="local",
                                              grad_accum_steps=4 if kind == "collate_last" else 1, **kw)
+    elif kind == "collate_global":  # the rank that trains sample `at` fails, wherever global planning put it
+        loader = evenflow.DynamicBatchLoader(TokenDataset(n), collate_fn=_LastFails(at), planning="global", **kw)
     elif kind == "length_fn":
         loader = evenflow.DynamicBatchLoader(TokenDataset(n), length_fn=_length_fails(at), **kw)
     elif kind == "balance_pickle":

@@ -73,8 +73,9 @@ def test_matching_sizes_accumulation_from_the_dry_run():
                       lengths, lengths // 2).reference_tokens == 77
 
 
-def _chunk(samples, wall, heldout):
-    return {"samples": samples, "wall_s": wall, "heldout": heldout, "steps": 1, "load1": 1.0}
+def _chunk(samples, wall, heldout, real_tokens=None):
+    tokens = 60 * samples if real_tokens is None else real_tokens
+    return {"samples": samples, "wall_s": wall, "heldout": heldout, "steps": 1, "load1": 1.0, "real_tokens": tokens}
 
 
 def _raw(chunks, records, lrs=(1e-3,)):
@@ -88,7 +89,8 @@ def test_summarize_arm_metrics():
     def rec(samples, real, padded, cpu):
         return {"samples": samples, "real": real, "padded": padded, "cpu_s": cpu, "loss_tokens": 1, "loss_sum": 1.0}
 
-    raw = _raw([_chunk(2, 1.0, 5.0), _chunk(2, 0.5, 4.0), _chunk(0, 0.1, 4.0)],
+    # 240 real tokens in 4 samples: 60 tokens per sample. Chunk rates are tokens/s x 4/240 samples per token.
+    raw = _raw([_chunk(2, 1.0, 5.0, 120), _chunk(2, 0.5, 4.0, 120), _chunk(0, 0.1, 4.0, 0)],
                [[rec(2, 90, 100, 1.0), rec(1, 50, 50, 0.5)], [rec(1, 100, 100, 2.0), rec(0, 0, 50, 0.1)]])
     s = summarize_arm(raw, initial_heldout=6.0)
     assert (s["micro_batches_per_rank"], s["samples"], s["real_tokens"], s["padded_tokens"]) == (2, 4, 240, 300)
@@ -99,6 +101,10 @@ def test_summarize_arm_metrics():
     assert s["critical_path_cpu_s"] == pytest.approx(2.5) and s["idle_batches"] == 1
     assert s["curve"]["samples"] == [0, 2, 4, 4] and s["curve"]["heldout_loss"] == [6.0, 5.0, 4.0, 4.0]
     assert s["heldout_loss"] == 4.0
+    # The rate follows a chunk's tokens, not its sample count: 1 long sample or 3 short ones in the same tokens
+    # and time are the same throughput (NOTE [ Time model ]).
+    raw["chunks"][:2] = [_chunk(1, 1.0, 5.0, 120), _chunk(3, 0.5, 4.0, 120)]
+    assert summarize_arm(raw, initial_heldout=6.0)["samples_per_s_per_round"] == [2.0, 4.0]
     raw["per_rank_steps"][1].pop()
     with pytest.raises(ValueError, match="not aligned"):
         summarize_arm(raw, initial_heldout=6.0)

@@ -17,7 +17,8 @@ WORLD = 3
 
 
 HOSTILE = ["break_one", "raise_one", "break_all", "with_raise", "close_exc", "unpicklable", "blocking",
-           "collate_mid", "collate_last", "length_fn", "balance_pickle", "start_fail", "len_mismatch"]
+           "collate_mid", "collate_last", "collate_global", "length_fn", "balance_pickle", "start_fail",
+           "len_mismatch"]
 TORN = ["torn", "one_loads"]
 _RESULTS: dict = {}
 
@@ -89,6 +90,22 @@ def test_data_faults_reach_every_rank_with_the_sample(kind, own_type, text):
         # Within one round: peers raise after the same error round as the failing rank, far inside the 120 s
         # exchange timeout (10 s leaves room for a loaded machine).
         assert abs(r["t_error"] - own["t_error"]) < 10, (r, own)
+
+
+def test_collate_failure_under_global_planning_reaches_every_rank_from_the_rank_that_trains_the_sample():
+    res = _world("collate_global")
+    own = [r for r in res if r["type"] == "KeyError"]
+    assert len(own) == 1, res  # exactly one rank collated the failing batch
+    failed = res.index(own[0])
+    assert "injected collate failure on sample 16" in own[0]["error"], own
+    for rank, r in enumerate(res):
+        if rank == failed:
+            continue
+        assert r["type"] == "PeerError", r
+        assert r["attrs"]["rank"] == failed and r["attrs"]["type_name"] == "KeyError", r
+        assert "injected collate failure on sample 16" in r["attrs"]["detail"], r
+        assert r["attrs"]["sample_index"] is not None, r
+        assert abs(r["t_error"] - own[0]["t_error"]) < 10, (r, own)
 
 
 def test_datasets_of_different_length_are_refused_on_every_rank():

@@ -82,7 +82,7 @@ def sc_mismatch(rank, world):
 def _scenarios(world, n):
     grouped = dict(planning_group=2, **GLOBAL)  # world 3: groups {0, 1} and {2} -- uneven, two-level exchange
     return [
-        ("local", "sc_coverage", dict(n=n, buffer_size=64, seed=4)),
+        ("local", "sc_coverage", dict(n=n, buffer_size=64, seed=4, planning="local")),  # the baseline
         ("global", "sc_coverage", dict(n=n, buffer_size=64, seed=4, **GLOBAL)),
         ("global_w1", "sc_coverage", dict(n=n, buffer_size=64, seed=4, workers=1, context="fork", **GLOBAL)),
         ("global_spawn", "sc_coverage", dict(n=n, buffer_size=64, seed=4, workers=1, context="spawn", **GLOBAL)),
@@ -301,7 +301,7 @@ def test_planning_arguments_are_checked_at_construction():
     ds = sc.TokenDataset(8)
     with pytest.raises(ValueError, match="balance=False"):
         evenflow.DynamicBatchLoader(ds, token_budget=sc.BUDGET, planning="global", balance=True)
-    with pytest.raises(ValueError, match="'local' or 'global'"):
+    with pytest.raises(ValueError, match="one of 'auto', 'local', 'global'"):
         evenflow.DynamicBatchLoader(ds, token_budget=sc.BUDGET, planning="union")
     with pytest.raises(ValueError, match="planning_group=2 exceeds the world size 1"):
         evenflow.DynamicBatchLoader(ds, token_budget=sc.BUDGET, planning="global", planning_group=2)

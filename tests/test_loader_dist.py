@@ -59,7 +59,9 @@ def _scenarios(world):
                   ("balanced_iterable", "sc_balanced", dict(iterable=True))]
     if world in (3, 4):
         cases += [("balanced", "sc_balanced", dict(n=601 if world != 4 else 103)),
-                  ("unbalanced", "sc_coverage", dict(n=601 if world != 4 else 103, buffer_size=32, seed=4)),
+                  # balance=True re-deals the local policy's groups: its baseline is the local policy
+                  ("unbalanced", "sc_coverage", dict(n=601 if world != 4 else 103, buffer_size=32, seed=4,
+                                                     planning="local")),
                   ("balanced_exact", "sc_exact_loss", dict(grad_accum_steps=2, balance=True))]
     return cases
 
@@ -235,14 +237,14 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(world):
     if world == 2:
         ids = [i for r in res for s in r["resume_accum"]["before"] + r["resume_accum"]["after"] for i in s["ids"]]
         assert sorted(ids) == list(range(401))
-        gids = sorted(i for r in res for s in r["resume_iterable"]["before"] + r["resume_iterable"]["after"]
-                      for i in s["ids"])
-        # Iterable keys are stream positions per rank: each rank's positions appear exactly once.
-        per_rank = [sorted(i for s in r["resume_iterable"]["before"] + r["resume_iterable"]["after"] for i in s["ids"])
-                    for r in res]
-        for r, positions in enumerate(per_rank):
-            assert positions == list(range(80 + 23 * r))
-        assert len(gids) == sum(len(p) for p in per_rank)
+        # Iterable keys are stream positions per rank: each rank's positions appear exactly once. A sample
+        # trained away from its home rank (global planning, balancing) is keyed (home rank, position), and
+        # so are the home rank's own then.
+        keys = [(rank, i) if isinstance(i, int) else tuple(i) for rank, r in enumerate(res)
+                for s in r["resume_iterable"]["before"] + r["resume_iterable"]["after"] for i in s["ids"]]
+        assert len(keys) == len(set(keys)), "a stream sample was trained twice across the resume"
+        for r in range(world):
+            assert sorted(i for home, i in keys if home == r) == list(range(80 + 23 * r))
 
 
 def test_collate_keeping_known_keys_keeps_step_info():

@@ -81,7 +81,7 @@ def test_readme_quotes_the_medians_and_spreads_of_its_block():
     """The paragraphs quote the measured figures of the verbatim run, not rounder or older ones."""
     block = _readme_demo_block()
     ratio = re.search(r"evenflow is ([0-9.]+)x (faster|slower) than fixed batching \(median of (\d+) "
-                      r"ABBA-interleaved rounds of wall-clock samples/s; per-round ratio ([0-9.]+)-([0-9.]+)", block)
+                      r"ABBA-interleaved rounds of wall-clock real tokens/s; per-round ratio ([0-9.]+)-([0-9.]+)", block)
     assert ratio, "the block has no median throughput line"
     assert int(ratio.group(3)) >= 5
     prose = README.split(block, 1)[1].split("\n## ", 1)[0]

@@ -31,7 +31,7 @@ def lr_text(config: DemoConfig, reference_tokens: int) -> str:
     rule = {"sqrt": "square-root scaling", "linear": "linear scaling", "none": "no scaling"}[config.lr_scaling]
     return (f"{rule} by tokens per step (evenflow.TokenLRScaler): lr = schedule(step) x "
             f"{'sqrt(' if config.lr_scaling == 'sqrt' else '('}supervised tokens in the step / {reference_tokens})"
-            f", the same rule and reference for every arm; peak {config.base_lr:g}, warm-up "
+            f", for the variable-batch evenflow arms (the fixed arms and evenflow_no_lr_rule: no rule); peak {config.base_lr:g}, warm-up "
             f"{config.warmup_fraction:.0%} then cosine to {config.final_lr_fraction:g}x, in each arm's optimizer steps")
 
 

@@ -105,6 +105,9 @@ def _fixed_windows(loader: DataLoader, accumulation: int) -> Iterator[Window]:
 def _evenflow_windows(data: DemoData, config: DemoConfig, *, cost: str) -> Iterator[Window]:
     loader = DynamicBatchLoader(data.train, token_budget=config.token_budget, num_workers=config.num_workers,
                                 seed=config.seed, shuffle=True, pad_token_id=PAD_ID, cost=cost,
+                                buffer_size=config.buffer_size,
+                                # Pinned: the matching dry run (evenflow.demo.plan) replays the local policy.
+                                planning="local",
                                 timeout=timedelta(seconds=config.timeout_s))
     try:
         for batch in loader:

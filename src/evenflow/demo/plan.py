@@ -49,7 +49,7 @@ class Matching:
 def match_arms(config: DemoConfig, lengths: np.ndarray, loss_tokens: np.ndarray) -> Matching:
     """Dry-run the planners on the realized lengths (the loader's defaults, seed and shard) and match."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    alignment = AlignmentConfig()  # the loader's defaults (buffer 4096, 8 steps per round)
+    alignment = AlignmentConfig(buffer_size=config.buffer_size)  # as the evenflow arms' loader; 8 steps per round
 
     def steps(cost: str) -> int:
         grouping = GroupingConfig(token_budget=config.token_budget, cost=cost)

@@ -66,7 +66,7 @@ def verdict_lines(arms: Mapping[str, Mapping[str, Any]], v: Mapping[str, Any], *
         f"fixed = random batches of {batch_size} per rank x {accumulation} accumulation steps, sized from a "
         f"planner-only dry run to evenflow's samples per optimizer step; same samples, seed and LR schedule",
         f"evenflow is {word} than fixed batching (median of {t['repeats']} ABBA-interleaved rounds of wall-clock "
-        f"samples/s; per-round ratio {t['min']:.2f}-{t['max']:.2f}, IQR {t['iqr'][0]:.2f}-{t['iqr'][1]:.2f})",
+        f"real tokens/s; per-round ratio {t['min']:.2f}-{t['max']:.2f}, IQR {t['iqr'][0]:.2f}-{t['iqr'][1]:.2f})",
         f"critical path (slowest rank's CPU time per step, summed): {v['critical_path_ratio']:.2f}x shorter with "
         "evenflow -- the speedup with one dedicated core per rank",
     ]

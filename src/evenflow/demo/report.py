@@ -2,11 +2,17 @@
 
 NOTE [ Time model ]
     ``time_to_target_s`` of an arm = (samples it needs to reach the target held-out loss, read off its quality
-    run's loss-vs-samples curve, linear between evaluations) / (its median samples/s over the interleaved
-    rounds). The target is the ``fixed`` arm's final held-out loss, so for ``fixed`` itself it is the epoch's
-    samples / its median throughput; an arm whose curve never reaches the target gets ``None``. Quality comes
-    from one seeded run per arm and does not depend on the machine's load; only the denominator does, and it
-    is a median over ABBA-interleaved chunks (NOTE [ Interleaved timing ] in evenflow.demo.train).
+    run's loss-vs-samples curve, linear between evaluations) / (its samples/s). The target is the ``fixed``
+    arm's final held-out loss, so for ``fixed`` itself it is the epoch's samples / its throughput; an arm whose
+    curve never reaches the target gets ``None``. Quality comes from one seeded run per arm and does not depend
+    on the machine's load; only the denominator does.
+
+    The denominator: each ABBA-interleaved chunk (NOTE [ Interleaved timing ] in evenflow.demo.train) gives one
+    rate in *real tokens/s*; an arm's samples/s is the median of those rates x the epoch's samples per real
+    token, which is the same for every arm (every arm trains the same samples once). Why tokens, not samples:
+    chunks hold equal optimizer steps, and an evenflow step holds 1 long chat or 40 short ones, so one arm's
+    chunks ranged 54-212 samples and their samples/s followed their content, not the machine (per-round
+    ratios 0.71-2.67x on an idle machine). Per token the chunks cost about the same.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ __all__ = ["TIME_MODEL", "summarize_arm", "samples_to_target", "add_time_to_targ
            "LOSS_GOAL", "TIME_GOAL"]
 
 TIME_MODEL = ("time_to_target_s = samples needed to reach the fixed arm's final held-out loss (from the arm's "
-              "quality-run loss-vs-samples curve) / the arm's median samples/s over the ABBA-interleaved rounds")
+              "quality-run loss-vs-samples curve) / the arm's samples/s = its median real tokens/s over the "
+              "ABBA-interleaved rounds x the epoch's samples per real token (the same for every arm)")
 LOSS_GOAL = 0.03
 """Goal: evenflow's final held-out loss within this many nats/token of the best fixed-batching arm."""
 TIME_GOAL = 0.7
@@ -49,7 +56,9 @@ def summarize_arm(raw: Mapping[str, Any], initial_heldout: float) -> dict[str, A
         costs = np.array([r[s]["padded"] for r in per_rank], dtype=np.float64)
         imbalance.append(float(costs.max() / costs.mean()) if costs.mean() else 1.0)
         critical += max(r[s]["cpu_s"] for r in per_rank)
-    rates = [c["samples"] / c["wall_s"] for c in chunks if c["wall_s"] > 0 and c["samples"]]
+    # NOTE [ Time model ]: per-round rates in real tokens/s, expressed as samples/s at the epoch's mix.
+    per_token = samples / real if real else 0.0
+    rates = [c["real_tokens"] / c["wall_s"] * per_token for c in chunks if c["wall_s"] > 0 and c["real_tokens"]]
     median = float(np.median(rates)) if rates else 0.0
     batch_sizes = [rec["samples"] for rec in flat if rec["samples"]]
     return {

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..lr import TokenLRScaler
 from ..planning.loss import IGNORE_INDEX
 from .arms import PAD_ID, Window, arm_windows, batch_cost, planned_steps
-from .config import DemoConfig, schedule_factor
+from .config import LR_RULE_ARMS, DemoConfig, schedule_factor
 from .plan import Matching
 from .prepare import DemoData
 
@@ -103,7 +103,7 @@ class ArmRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda step: schedule_factor(step, self.total_steps, config))
-        scaling = "none" if arm == "evenflow_no_lr_rule" else config.lr_scaling
+        scaling = config.lr_scaling if arm in LR_RULE_ARMS else "none"
         self.scaler = TokenLRScaler(self.opt, scaling=scaling, reference_tokens=matching.reference_tokens)
         self.windows: Iterator[Window] = arm_windows(arm, data, config, matching, rank)
         self.steps = 0
@@ -116,7 +116,7 @@ class ArmRun:
     def run_chunk(self, max_steps: int | None) -> dict[str, Any]:
         """Up to ``max_steps`` optimizer steps (``None``: to the end of the epoch), timed between barriers."""
         dist.barrier()
-        start, samples, taken = time.perf_counter(), 0, 0
+        start, samples, taken, first = time.perf_counter(), 0, 0, len(self.records)
         while max_steps is None or taken < max_steps:
             window = next(self.windows, None)
             if window is None:
@@ -126,7 +126,12 @@ class ArmRun:
             samples += window.global_samples
             taken += 1
         dist.barrier()
-        return {"wall_s": time.perf_counter() - start, "samples": samples, "steps": taken}
+        wall = time.perf_counter() - start
+        # The chunk's real tokens over all ranks (after the timed span): the per-round rate is tokens/s, because
+        # chunks of equal steps hold very different sample counts (NOTE [ Time model ] in evenflow.demo.report).
+        tokens = torch.tensor([sum(rec["real"] for rec in self.records[first:])], dtype=torch.long)
+        dist.all_reduce(tokens)
+        return {"wall_s": wall, "samples": samples, "real_tokens": int(tokens), "steps": taken}
 
     def _step(self, window: Window) -> None:
         factor = self.config.world_size / window.global_tokens if window.global_tokens else 0.0

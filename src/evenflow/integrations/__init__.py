@@ -4,7 +4,8 @@
 - hf_epochs.py   -- how HF's epoch loop is fitted onto evenflow epochs (train iterable, callbacks, progress bound)
 - trl.py         -- ``DynamicBatchSFTTrainer``: TRL's SFTTrainer with evenflow batches (extra ``trl``)
 - accelerate.py  -- ``device_batches``, ``sync_window``, ``LoaderCheckpoint``: loader kept out of ``prepare``
-- lightning.py   -- ``DynamicBatchDataModule``, ``EvenflowCallback``, ``training_loss`` (extra ``lightning``)
+- lightning.py   -- ``DynamicBatchDataModule``, ``EvenflowModule`` (IDLE batches never logged), ``EvenflowCallback``,
+                   ``EvenflowProgressBar`` (ETA from the loader's step bound), ``training_loss`` (extra ``lightning``)
 - evaluation.py  -- ``eval_loader`` (no shuffle, every sample once), ``evaluate_loss`` (exact per-token loss)
 - metrics.py     -- ``StepMetrics``: per-step metrics dict from StepInfo, no communication
 - mesh.py        -- ``dp_process_group``: the loader's gloo group over a DeviceMesh's data-parallel dimension

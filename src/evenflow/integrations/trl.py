@@ -20,6 +20,15 @@ collator (``DataCollatorForLanguageModeling``, padding-free when ``padding_free=
   ``num_tokens`` counts the real tokens of every rank from the StepInfo (TRL's own count would add IDLE tokens).
 - ``padding_free=True`` selects ``cost="summed"`` (the budget then counts tokens, not padded rows).
 
+Masks (tests/test_trl.py checks every collated row position by position against them): TRL folds
+``assistant_masks`` (``assistant_only_loss=True``) and ``completion_mask`` (prompt/completion data, with
+``completion_only_loss``) into ``labels`` -- a token is supervised only where every applicable mask is 1 -- and the
+loader counts exactly those labels (shifted, as the loss sums them). ``assistant_only_loss`` needs a chat template
+with ``{% generation %}`` markers; TRL swaps in its training template only when the tokenizer's template is
+identical to one of its own copies, else raises. A template from elsewhere (e.g. the Qwen3 one in
+``evenflow.data.chat``) can be replaced with TRL's copy, e.g.
+``tokenizer.chat_template = trl.chat_template_utils.qwen3_training_chat_template``.
+
 Everything in NOTE [ HF Trainer contract ] (evenflow.integrations.hf) holds: units, resume, epochs. Base-class
 order is fixed here (``DynamicBatchTrainer`` first): use this class rather than mixing the two by hand.
 """

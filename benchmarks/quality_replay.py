@@ -1,0 +1,119 @@
+"""Why evenflow's steps train worse or better at matched optimizer steps: a single-process replay of the demo.
+
+The demo (``evenflow demo``) trains each arm on 2 gloo ranks. Its quality depends only on which samples
+each optimizer step holds and in what order, so this script replays those steps in one process (the
+exact per-token loss of a step is the same math on one rank as on two) and varies one thing at a time:
+
+    fixed           random steps of 8 samples (the demo's fixed arm: batch 1 x 2 ranks x 4 accumulation)
+    evenflow_4096   the planner's steps at the library's default buffer (a rank's whole shard buffered)
+    evenflow_128    the same at buffer_size=128 (the demo's setting)
+    shuffled_4096   evenflow_4096's steps in a random order (same steps: isolates the epoch order)
+    counts_4096     random samples, in evenflow_4096's per-step sample counts (isolates the composition)
+    *_sqrt          with the sqrt token LR rule (evenflow.TokenLRScaler) instead of none
+
+    .venv/bin/python benchmarks/quality_replay.py                       # every arm, ~25 min on 2 cores
+    .venv/bin/python benchmarks/quality_replay.py --arms fixed evenflow_128
+
+Steps come from :func:`evenflow.sim.evenflow_schedule`, which drives the loader's own planner class, so
+they are the loader's batches for the demo's seed. Two arms run at a time (one per core). One JSON line
+last: ``{"arms": {name: {"heldout_loss", "optimizer_steps", "padded_efficiency"}}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+ARMS = ("fixed", "fixed_sqrt", "evenflow_4096", "evenflow_128", "evenflow_128_sqrt", "shuffled_4096",
+        "counts_4096")
+
+
+def _steps(arm: str, lengths: np.ndarray, seed: int) -> list[list[list[int]]]:
+    """The arm's optimizer steps, each a list of padded micro-batches (lists of sample indices)."""
+    from evenflow.planning import AlignmentConfig, GroupingConfig
+    from evenflow.sim import evenflow_schedule
+
+    rng = np.random.default_rng(seed)
+    if arm.startswith("fixed"):
+        order = rng.permutation(len(lengths))
+        return [[[int(i)] for i in order[j:j + 8]] for j in range(0, len(order), 8)]
+    buffer = int(arm.split("_")[1])
+    schedule = evenflow_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=4096),
+                                 alignment=AlignmentConfig(buffer_size=buffer), seed=seed)
+    steps = [[[int(i) for i in g] for g in step if len(g)] for step in schedule.batches()]
+    if arm.startswith("shuffled"):
+        return [steps[int(k)] for k in rng.permutation(len(steps))]
+    if arm.startswith("counts"):
+        order, out, j = rng.permutation(len(lengths)), [], 0
+        for step in steps:
+            n = sum(len(g) for g in step)
+            out.append([[int(i)] for i in order[j:j + n]])
+            j += n
+        return out
+    return steps
+
+
+def run_arm(arm: str, seed: int = 0) -> dict:
+    import torch
+
+    from evenflow.demo.config import DemoConfig, schedule_factor
+    from evenflow.demo.prepare import prepare_data
+    from evenflow.demo.train import build_model, sum_loss
+    from evenflow.runtime import PadCollate
+
+    torch.set_num_threads(1)
+    config = DemoConfig(seed=seed)
+    data = prepare_data(config)
+    steps = _steps(arm, data.lengths, seed)
+    tokens = [sum(int(data.loss_tokens[i]) for g in s for i in g) for s in steps]
+    reference = round(sum(tokens) / len(tokens))
+    model = build_model(config, data.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    collate = PadCollate(pad_token_id=0)
+    for k, step in enumerate(steps):
+        factor = schedule_factor(k, len(steps), config)
+        if arm.endswith("_sqrt"):
+            factor *= (tokens[k] / reference) ** 0.5
+        for group in opt.param_groups:
+            group["lr"] = config.base_lr * factor
+        for g in step:
+            loss, _ = sum_loss(model, collate([data.train[i] for i in g]))
+            (loss / tokens[k]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    total = np.zeros(2)
+    with torch.no_grad():
+        for i in range(len(data.heldout)):
+            s = data.heldout[i]
+            loss, n = sum_loss(model, {"input_ids": s["input_ids"][None], "labels": s["labels"][None]})
+            total += (loss.item(), n)
+    padded = sum(len(g) * int(data.lengths[g].max()) for s in steps for g in s)
+    return {"arm": arm, "heldout_loss": round(float(total[0] / total[1]), 4), "optimizer_steps": len(steps),
+            "padded_efficiency": round(int(data.lengths.sum()) / padded, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    results = {}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for r in pool.map(run_arm, args.arms, [args.seed] * len(args.arms)):
+            print(f"{r['arm']:<20} held-out {r['heldout_loss']:.4f}  steps {r['optimizer_steps']}  "
+                  f"padded eff {r['padded_efficiency']:.3f}", file=sys.stderr, flush=True)
+            results[r.pop("arm")] = r
+    print(json.dumps({"benchmark": "quality_replay", "seed": args.seed, "arms": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
