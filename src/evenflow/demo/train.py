@@ -204,8 +204,8 @@ def _interleaved(runs: list[ArmRun], data: DemoData, config: DemoConfig, rank: i
                          heldout=heldout_loss(run.model, data, rank, config.world_size))
             chunks[run.arm].append(chunk)
             if progress and rank == 0:
-                print(f"  round {r + 1}/{config.rounds} {run.arm:<20} {chunk['samples'] / chunk['wall_s']:6.2f} "
-                      f"samples/s  held-out {chunk['heldout']:.3f}", file=sys.stderr, flush=True)
+                print(f"  round {r + 1}/{config.rounds} {run.arm:<20} {chunk['real_tokens'] / chunk['wall_s']:8.0f} "
+                      f"real tokens/s  held-out {chunk['heldout']:.3f}", file=sys.stderr, flush=True)
     return {"initial_heldout": initial, "chunks": chunks}
 
 

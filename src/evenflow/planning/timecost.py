@@ -22,40 +22,56 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["PhaseTime", "TimeCost", "TOKENS"]
+__all__ = ["PhaseTime", "QuadraticCost", "TimeCost", "TOKENS"]
 
 TOKENS = "tokens"
 """Length key of the LLM phase: the sample's token count (other phases name an ``extra`` resource)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class PhaseTime:
-    """One phase's per-item cost ``gamma + alpha * L + beta * L**2`` on the length ``length_key``."""
+class QuadraticCost:
+    """``gamma + alpha * L + beta * L**2``: the time (or FLOPs) of one item of length ``L`` in one phase.
 
-    length_key: str = TOKENS
-    """``"tokens"`` for the LLM, or the name of an extra per-sample resource (e.g. ``"patches"``)."""
+    The default (``alpha=1``) counts tokens. ``QuadraticCost(alpha=24576, beta=1)`` is the attention-aware
+    cost Megatron/verl use for a hidden size of 4096 (``6 * 4096`` per token for the linear layers).
+
+    >>> QuadraticCost(gamma=1.0, alpha=2.0, beta=0.5)(4)
+    17.0
+    """
+
     gamma: float = 0.0
-    """Cost per item (row) -- kernel launches, per-sample overheads."""
+    """Fixed cost per item (kernel launches, per-item overheads)."""
     alpha: float = 1.0
-    """Cost per token -- the linear layers."""
+    """Cost per token (linear layers)."""
     beta: float = 0.0
-    """Cost per squared token of one sequence -- attention scores."""
+    """Cost per squared token (attention)."""
 
     def __post_init__(self) -> None:
         for name in ("gamma", "alpha", "beta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(value) or value < 0:
-                raise ValueError(f"PhaseTime.{name} must be a finite number >= 0, got {value!r}; a cost model "
-                                 "must not make longer items cheaper -- refit or set the coefficient to 0")
+                    or not math.isfinite(value):
+                raise ValueError(f"{type(self).__name__}.{name} must be a finite number, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{type(self).__name__}.{name}={value} is negative: a cost model must not make "
+                                 "longer items cheaper; refit with more lengths or set the coefficient to 0")
 
-    def __call__(self, lengths: np.ndarray) -> np.ndarray:
-        ls = np.asarray(lengths, dtype=np.float64)
-        return self.gamma + self.alpha * ls + self.beta * ls * ls
+    def __call__(self, length: float | np.ndarray) -> Any:
+        lengths = np.asarray(length, dtype=np.float64)
+        out = self.gamma + self.alpha * lengths + self.beta * lengths * lengths
+        return float(out) if out.ndim == 0 else out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseTime(QuadraticCost):
+    """One phase's per-item cost: a :class:`QuadraticCost` on the per-sample length named ``length_key``."""
+
+    length_key: str = TOKENS
+    """``"tokens"`` for the LLM, or the name of an extra per-sample resource (e.g. ``"patches"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
