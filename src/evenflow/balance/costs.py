@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..planning.timecost import QuadraticCost
+from ..quadratic import QuadraticCost
 
 __all__ = ["QuadraticCost", "fit_quadratic", "item_costs", "summed_cost", "padded_cost", "as_costs"]
 
