@@ -192,25 +192,48 @@ def sc_oversize(rank, world):
     return "no error"
 
 
-def sc_fault(rank, world, kind):
-    """kind: 'worker' (rank 1's worker raises), 'bad' (rank 1 gets a bad sample), 'exit' (rank 1 dies)."""
+def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None):
+    """kind: 'worker' (rank 1's worker raises), 'bad' (rank 1 gets a bad sample), 'exit' (rank 1 dies after
+    ``die_at`` batches). ``loader_kwargs`` override the loader's (planning, balance...)."""
     n = 200
     # shuffle=False: index i lives on rank i % world, so index 1 (and 1 + world) is rank 1's.
     ds = TokenDataset(n, fail_at=1 + 3 * world if kind == "worker" else None,
                       bad_at=1 + 3 * world if kind == "bad" else None)
-    loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=4, num_workers=1 if kind == "worker" else 0,
-                                         shuffle=False, timeout=timedelta(seconds=15),
-                                         worker_timeout=timedelta(seconds=10))
+    kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=1 if kind == "worker" else 0, shuffle=False,
+                  timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)) | (loader_kwargs or {})
+    loader = evenflow.DynamicBatchLoader(ds, **kwargs)
     steps = 0
     try:
         for batch in loader:
             evenflow.pop_step_info(batch)
             steps += 1
-            if kind == "exit" and rank == 1 and steps == 3:
+            if kind == "exit" and rank == 1 and steps == die_at:
                 os._exit(3)
     except Exception as exc:  # noqa: BLE001
         return dict(error=f"{type(exc).__name__}: {exc}", steps=steps)
     return dict(error=None, steps=steps)
+
+
+def sc_dead_peer_in_all_to_all(rank, world):
+    """Rank 1 exits after the peer table is known; the others then enter a sample all-to-all (the balanced and
+    global rounds' exchange 4), which must fail naming rank 1 rather than with gloo's bare socket error."""
+    from evenflow.balance.dispatch import exchange_samples
+    from evenflow.runtime.comm import MetadataExchange, resolve_topology
+
+    topology = resolve_topology(None, timedelta(seconds=15))
+    exchange = MetadataExchange(topology)
+    table = exchange.all_gather(np.array([os.getpid(), 7], dtype=np.int64))  # (pid, host): one host
+    exchange.peers.note(table[:, 0], table[:, 1])
+    dist.barrier(group=topology.group)
+    if rank == 1:
+        os._exit(3)
+    time.sleep(1.0)  # rank 1 is gone before the all-to-all starts
+    try:
+        with exchange.guarded("sample all-to-all"):
+            exchange_samples([{"x": torch.ones(3)}] * world, list(range(world)), group=topology.group)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 # -- exact loss --------------------------------------------------------------------------------------------

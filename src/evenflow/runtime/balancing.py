@@ -82,7 +82,10 @@ class StepRebalancer:
             if len(failed):
                 return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [],
                                      tuple(failed.tolist()), error, error_key)
-        received = exchange_samples(outgoing, dest, group=self.exchange.topology.group) if self.world > 1 else []
+        received = []
+        if self.world > 1:
+            with self.exchange.guarded("sample all-to-all"):
+                received = exchange_samples(outgoing, dest, group=self.exchange.topology.group)
         arrived = iter(received)
         # Arrival order is (source rank, position at source); recompute every source's send order from the plans.
         incoming: dict[tuple[int, int, int], Item] = {}

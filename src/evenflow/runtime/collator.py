@@ -290,8 +290,8 @@ class EpochPipeline(threading.Thread):
         groups = self.planner.plan_local() if failure is None else []
         table = self.exchange.all_gather(self._report(groups, failure).to_array())
         decision = decide_round(table, self.planner.alignment)
-        if self.exchange.peers is None and hasattr(self.exchange, "note_peers"):
-            self.exchange.note_peers(table[:, 11], table[:, 12])  # names dead ranks if a later exchange fails
+        if not self.exchange.peers.known:
+            self.exchange.peers.note(table[:, 11], table[:, 12])  # names dead ranks if a later exchange fails
         if self.global_round is not None and decision.target:  # same on every rank: all plan, or none
             slots, decision = self.global_round.plan(self.planner, table, decision)
         else:

@@ -7,6 +7,8 @@ around as plain values. Every collective names its group.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "resolve_topology", "MetadataExchange", "PlanningGroups", "planning_groups",
+__all__ = ["Topology", "resolve_topology", "PeerTable", "MetadataExchange", "PlanningGroups", "planning_groups",
            "TwoLevelExchange"]
 
 
@@ -47,16 +49,67 @@ def resolve_topology(process_group: object | None, timeout: timedelta) -> Topolo
     return Topology(dist.get_rank(group), dist.get_world_size(group), group)
 
 
+class PeerTable:
+    """``(pid, host)`` of every rank of the metadata group, from the first round's reports.
+
+    One table is shared by every exchange of a loader (the flat or two-level world exchange, the planning
+    group's exchange, the sample all-to-alls), so whichever collective a dead peer breaks, the error names
+    it: gloo's own error names no rank ("Connection closed by peer [10.0.0.7]:41532").
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        """This rank in the metadata group: its row of the table, and the rank the errors name."""
+        self.rows: list[tuple[int, int]] | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.rows is not None
+
+    def note(self, pids: np.ndarray, hosts: np.ndarray) -> None:
+        self.rows = list(zip(pids.tolist(), hosts.tolist()))
+
+    def failure(self, what: str, exc: BaseException) -> RuntimeError:
+        """The error to raise when ``what`` (a collective) failed with ``exc``."""
+        return RuntimeError(
+            f"evenflow: rank {self.rank}'s {what} failed ({type(exc).__name__}: {exc}). {self.who_died()} Check "
+            "the other ranks' logs (a rank that failed prints its own error)")
+
+    def who_died(self) -> str:
+        """Name the dead ranks among those on this host; ranks on other hosts cannot be checked from here."""
+        generic = "A peer rank most likely died, stopped iterating its loader, or built a different loader."
+        if not self.rows:
+            return generic
+        me, rows = self.rank, self.rows
+        host = rows[me][1]
+        dead = [r for r, (pid, h) in enumerate(rows) if r != me and h == host and pid > 0 and not _alive(pid)]
+        remote = [r for r, (_, h) in enumerate(rows) if h != host]
+        if dead:
+            return (f"Rank(s) {dead} (pid {[rows[r][0] for r in dead]}) are no longer running: they died (killed, "
+                    "out of memory, or exited) during the epoch.")
+        tail = f"; ranks {remote} are on other hosts and could not be checked" if remote else ""
+        return (f"Every rank on this host is still running{tail}: a peer most likely stopped iterating its loader "
+                "(or is stuck in its own code) without closing it.")
+
+
 class MetadataExchange:
-    """Fixed-size int64 all_gather over the metadata group (identity when world_size == 1)."""
+    """Fixed-size int64 all_gather over the metadata group (identity when world_size == 1).
 
-    def __init__(self, topology: Topology) -> None:
+    ``peers``: the loader's shared :class:`PeerTable` (an exchange over a sub-group passes the world one, so
+    its errors name world ranks); a new one for ``topology.rank`` by default.
+    """
+
+    def __init__(self, topology: Topology, peers: PeerTable | None = None) -> None:
         self.topology = topology
-        self.peers: list[tuple[int, int]] | None = None
-        """``(pid, host)`` of every rank, from the last round's reports: names the ranks that died."""
+        self.peers = peers if peers is not None else PeerTable(topology.rank)
 
-    def note_peers(self, pids: np.ndarray, hosts: np.ndarray) -> None:
-        self.peers = list(zip(pids.tolist(), hosts.tolist()))
+    @contextmanager
+    def guarded(self, what: str) -> Iterator[None]:
+        """Raise a collective's failure inside the block as ``peers.failure(what, ...)``."""
+        try:
+            yield
+        except Exception as exc:  # gloo raises RuntimeError/DistBackendError on timeouts and dead peers
+            raise self.peers.failure(what, exc) from exc
 
     def all_gather(self, row: np.ndarray) -> np.ndarray:
         """``row`` (1-D int64, same size on every rank) -> ``[world_size, size]``."""
@@ -65,30 +118,9 @@ class MetadataExchange:
             return row[None].copy()
         send = torch.from_numpy(row)
         out = [torch.empty_like(send) for _ in range(self.topology.world_size)]
-        try:
+        with self.guarded("metadata exchange"):
             dist.all_gather(out, send, group=self.topology.group)
-        except Exception as exc:  # gloo raises RuntimeError/DistBackendError on timeouts and dead peers
-            raise RuntimeError(
-                f"evenflow: rank {self.topology.rank}'s metadata exchange failed ({type(exc).__name__}: {exc}). "
-                f"{_who_died(self.peers, self.topology.rank)} Check the other ranks' logs (a rank that failed "
-                "prints its own error)") from exc
         return torch.stack(out).numpy()
-
-
-def _who_died(peers: list[tuple[int, int]] | None, me: int) -> str:
-    """Name the dead ranks among those on this host (pids from the last round); gloo's error names none."""
-    generic = "A peer rank most likely died, stopped iterating its loader, or built a different loader."
-    if not peers:
-        return generic
-    host = peers[me][1]
-    dead = [r for r, (pid, h) in enumerate(peers) if r != me and h == host and pid > 0 and not _alive(pid)]
-    remote = [r for r, (_, h) in enumerate(peers) if h != host]
-    if dead:
-        return (f"Rank(s) {dead} (pid {[peers[r][0] for r in dead]}) are no longer running: they died (killed, out "
-                "of memory, or exited) during the epoch.")
-    tail = f"; ranks {remote} are on other hosts and could not be checked" if remote else ""
-    return (f"Every rank on this host is still running{tail}: a peer most likely stopped iterating its loader "
-            "(or is stuck in its own code) without closing it.")
 
 
 def _alive(pid: int) -> bool:
@@ -153,7 +185,7 @@ class TwoLevelExchange(MetadataExchange):
     def __init__(self, topology: Topology, groups: PlanningGroups) -> None:
         super().__init__(topology)
         self.groups = groups
-        self.inner = MetadataExchange(groups.inner)
+        self.inner = MetadataExchange(groups.inner, self.peers)
         self._leader = dist.get_global_rank(topology.group, groups.starts[groups.index])
 
     def all_gather(self, row: np.ndarray) -> np.ndarray:
@@ -162,7 +194,7 @@ class TwoLevelExchange(MetadataExchange):
         block = self.inner.all_gather(row)  # [k, size] of this planning group
         widest = max(b - a for a, b in zip(g.starts, g.starts[1:] + (world,)))
         table = torch.empty((world, row.size), dtype=torch.int64)
-        try:
+        with self.guarded("two-level metadata exchange"):
             if g.inner.rank == 0:
                 padded = torch.zeros((widest, row.size), dtype=torch.int64)
                 padded[:len(block)] = torch.from_numpy(block)
@@ -172,9 +204,4 @@ class TwoLevelExchange(MetadataExchange):
                     end = g.starts[s + 1] if s + 1 < len(g.starts) else world
                     table[start:end] = out[s][:end - start]
             dist.broadcast(table, src=self._leader, group=g.inner.group)
-        except Exception as exc:  # the same failure modes (and message) as the flat exchange
-            raise RuntimeError(
-                f"evenflow: rank {self.topology.rank}'s two-level metadata exchange failed ({type(exc).__name__}: "
-                f"{exc}). A peer rank most likely died, stopped iterating its loader, or built a different "
-                "loader; check the other ranks' logs (the failing rank prints its own error)") from exc
         return table.numpy()

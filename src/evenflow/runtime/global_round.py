@@ -99,7 +99,7 @@ class GlobalRound:
         self.exchange = exchange
         """World-wide exchange (flat or two-level): exchange B and the fingerprints."""
         self.groups = groups
-        self.inner = MetadataExchange(groups.inner)
+        self.inner = MetadataExchange(groups.inner, exchange.peers)  # its errors name world ranks
         self.grouping = grouping
         self.alignment = alignment
         self.payloads = payloads
@@ -219,7 +219,8 @@ class GlobalRound:
             return {}
         expected = [int(i) for src in range(k) if src != me  # arrival order: by source, then its send order
                     for step in plan for i in step[me] if buf.src[i] == src]
-        arrived = exchange_samples(outgoing, dest, group=self.groups.inner.group)
+        with self.exchange.guarded("sample all-to-all"):
+            arrived = exchange_samples(outgoing, dest, group=self.groups.inner.group)
         if len(arrived) != len(expected):  # pragma: no cover - every rank evaluates the same plan
             raise RuntimeError(f"evenflow: rank {self.rank} expected {len(expected)} samples from its planning "
                                f"group and received {len(arrived)}; ranks disagree on the round plan")
