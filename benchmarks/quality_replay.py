@@ -7,6 +7,7 @@ exact per-token loss of a step is the same math on one rank as on two) and varie
     fixed           random steps of 8 samples (the demo's fixed arm: batch 1 x 2 ranks x 4 accumulation)
     evenflow_4096   the planner's steps at the library's default buffer (a rank's whole shard buffered)
     evenflow_128    the same at buffer_size=128 (the demo's setting)
+    global_128      global planning (planning="global", the library default at 2 ranks) at buffer_size=128
     shuffled_4096   evenflow_4096's steps in a random order (same steps: isolates the epoch order)
     counts_4096     random samples, in evenflow_4096's per-step sample counts (isolates the composition)
     *_sqrt          with the sqrt token LR rule (evenflow.TokenLRScaler) instead of none
@@ -30,24 +31,32 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 ARMS = ("fixed", "fixed_sqrt", "evenflow_4096", "evenflow_128", "evenflow_128_sqrt", "shuffled_4096",
-        "counts_4096")
+        "counts_4096", "global_128", "global_128_sqrt", "global_64_sqrt", "globalroundshuf_128_sqrt",
+        "globalshuf_128_sqrt")
 
 
 def _steps(arm: str, lengths: np.ndarray, seed: int) -> list[list[list[int]]]:
     """The arm's optimizer steps, each a list of padded micro-batches (lists of sample indices)."""
     from evenflow.planning import AlignmentConfig, GroupingConfig
-    from evenflow.sim import evenflow_schedule
+    from evenflow.sim import evenflow_schedule, global_schedule
 
     rng = np.random.default_rng(seed)
     if arm.startswith("fixed"):
         order = rng.permutation(len(lengths))
         return [[[int(i)] for i in order[j:j + 8]] for j in range(0, len(order), 8)]
     buffer = int(arm.split("_")[1])
-    schedule = evenflow_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=4096),
+    policy = global_schedule if arm.startswith("global") else evenflow_schedule
+    schedule = policy(lengths, world_size=2, grouping=GroupingConfig(token_budget=4096),
                                  alignment=AlignmentConfig(buffer_size=buffer), seed=seed)
     steps = [[[int(i) for i in g] for g in step if len(g)] for step in schedule.batches()]
-    if arm.startswith("shuffled"):
+    if arm.startswith("shuffled") or arm.startswith("globalshuf"):
         return [steps[int(k)] for k in rng.permutation(len(steps))]
+    if arm.startswith("globalroundshuf"):  # each round's steps in a random order (rounds stay in sequence)
+        out, start = [], 0
+        for n in schedule.info["round_steps"]:
+            out += [steps[start + int(k)] for k in rng.permutation(n)]
+            start += n
+        return out
     if arm.startswith("counts"):
         order, out, j = rng.permutation(len(lengths)), [], 0
         for step in steps:

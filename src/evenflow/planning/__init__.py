@@ -5,6 +5,8 @@
 - loss.py      -- supervised-token counts and loss scales that make DDP + accumulation exact
 - simulate.py  -- the protocol for W ranks in one process (model checker, simulator, benchmarks)
 - global_plan.py -- one global round: groups over the union of all buffers, equal-cost steps, least movement
+  (its steps live in global_groups.py -- grouping the union, the drain -- and global_place.py -- dealing
+  equal-cost steps, placing groups on ranks with least movement)
 - timecost.py  -- the fitted per-item time cost f(L) = gamma + alpha L + beta L^2 planners balance on
 """
 

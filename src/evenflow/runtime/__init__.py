@@ -1,11 +1,15 @@
 """Runtime at the DataLoader boundary (public PyTorch APIs only).
 
 - loader.py    -- DynamicBatchLoader: epochs, state, IDLE template, the trainer-facing iterator
+- loader_config.py / loader_state.py / loader_stream.py -- its argument checks and LoaderConfig, the checks
+                  of a saved state against this loader, and the keyed sample streams it feeds the collator
 - collator.py  -- the per-epoch collation thread: fill, round (two fixed exchanges), collate, hand off
 - source.py    -- per-rank sample streams on a plain DataLoader(batch_size=None); map-style sharding
 - faults.py    -- PeerStopped / PeerError and the error-detail encoding (NOTE [ Faults in the round sequence ])
 - resume.py    -- validation of a loader state before resuming
 - comm.py      -- the only torch.distributed code: rank/world/group resolution and the int64 all_gather
+                  (PeerTable: whichever collective a dead peer breaks, the error names it)
+- balancing.py / global_round.py / planning.py -- balance=True, planning="global", which policy runs
 - collate.py   -- PadCollate (right-padded rows) and FlatCollate (one varlen row)
 - step_info.py -- StepInfo, pop_step_info, scale_loss
 """

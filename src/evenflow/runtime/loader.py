@@ -16,20 +16,22 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 
 from torch.utils.data import Dataset
 
-from ..planning.alignment import NO_VALUE, AlignmentConfig, RankPlanner, config_fingerprint
-from ..planning.grouping import CostModel, GroupingConfig, OversizePolicy
+from ..planning.alignment import NO_VALUE, RankPlanner, config_fingerprint
+from ..planning.grouping import CostModel, OversizePolicy
 from ..planning.loss import LossTokenRule
-from .collate import FlatCollate, PadCollate
 from .collator import EpochPipeline, Handoff, Release, SampleSpec
 from .comm import resolve_topology
 from .faults import sample_of
-from .planning import PLANNING_CHOICES, PlanningChoice, setup_planning
-from .resume import check_schema, key_order, validate_state
+from .loader_config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
+from .loader_state import STATE_VERSION, _check_saved_by, _fingerprint, _validated
+from .loader_stream import _carried, _continued, _fetch_error, _Keyed, _Numbered
+from .planning import PlanningChoice, setup_planning
+from .resume import key_order
 from .source import StreamOptions, Streams, shard_indices
 from .step_info import StepInfo, UsageCheck, UsageTracker
 
@@ -37,7 +39,6 @@ __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 
 logger = logging.getLogger("evenflow")
 
-STATE_VERSION = 2
 # How long close() waits for the collation thread beyond the exchange timeout before giving up on it.
 _JOIN_MARGIN_S = 10.0
 # How many dataset indices an IDLE placeholder search may read (map-style, only when no sample fit the budget).
@@ -45,53 +46,6 @@ _TEMPLATE_SCAN = 1024
 # Inside `with loader:`, how long a closed iterator waits for __exit__ to say whether an exception ended
 # the loop (then peers raise PeerError) before it reports a plain STOP (NOTE [ Early stops ]).
 _EXIT_GRACE_S = 2.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoaderConfig:
-    """Everything that decides which samples form which batch (plus pipeline depth)."""
-
-    grouping: GroupingConfig
-    alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
-    seed: int = 0
-    shuffle: bool = True
-    depth: int = 4
-    """Ready batches kept ahead of the trainer (back-pressure waits before a round, never inside it)."""
-    grad_accum_steps: int = 1
-    loss_tokens: LossTokenRule = field(default_factory=LossTokenRule)
-    timeout: timedelta = timedelta(minutes=5)
-    """Bound on every metadata exchange: a dead or stuck peer makes this rank raise after it."""
-    balance: bool = False
-    """Move samples between ranks' batches of each step so their costs match, and give ranks that would be
-    IDLE real work (evenflow.runtime.balancing). Costs one more small exchange and one all-to-all per round."""
-    planning: PlanningChoice = "auto"
-    """``"local"``: each rank groups its own buffer. ``"global"``: the ranks of a planning group pool their
-    buffers' metadata and group the union (evenflow.runtime.global_round); subsumes ``balance``. ``"auto"``
-    (default): resolved once by the loader, from the configuration alone, to ``"global"`` when
-    2 <= world size <= 64 (or ``planning_group`` is given), ``balance=False``; else ``"local"`` (NOTE [ The
-    default planning policy ] in evenflow.runtime.planning). ``balance=True`` with ``"auto"`` keeps the local
-    policy and its rebalancer. The loader's fingerprint records the resolved policy (``loader.planning``)."""
-    planning_group: int | None = None
-    """Ranks per planning group under global planning (consecutive ranks); ``None``: all ranks up to 64,
-    else blocks of 8 (evenflow.runtime.planning.default_planning_group)."""
-
-    def __post_init__(self) -> None:
-        if self.planning not in PLANNING_CHOICES:
-            raise ValueError(f"planning must be one of {', '.join(map(repr, PLANNING_CHOICES))}, got "
-                             f"{self.planning!r}")
-        if self.planning_group is not None and (isinstance(self.planning_group, bool)
-                                                or not isinstance(self.planning_group, int) or self.planning_group < 1):
-            raise ValueError(f"planning_group must be a positive int (ranks per planning group) or None, got "
-                             f"{self.planning_group!r}")
-        if self.planning == "global" and self.balance:
-            raise ValueError("planning='global' already balances every step (it forms the groups over all ranks' "
-                             "buffers); pass balance=False with it, or planning='local' with balance=True")
-        if not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"depth must be an integer >= 1, got {self.depth!r}")
-        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
 
 
 class DynamicBatchLoader:
@@ -187,33 +141,26 @@ class DynamicBatchLoader:
                  planning: PlanningChoice = "auto", planning_group: int | None = None, **unknown: object) -> None:
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
-        grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
-                                  extra_budgets=dict(extra_budgets or {}), oversize=oversize,
-                                  pad_to_multiple_of=pad_to_multiple_of)
-        alignment = AlignmentConfig(join=join, max_steps_per_round=max_steps_per_round,
-                                    max_wait_rounds=max_wait_rounds, buffer_size=buffer_size)
-        self.config = LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
-                                   grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
-                                   timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        _check_worker_timeout(worker_timeout, timeout, num_workers)
+        self.config = _loader_config(
+            token_budget=token_budget, cost=cost, max_samples=max_samples, extra_budgets=extra_budgets,
+            oversize=oversize, pad_to_multiple_of=pad_to_multiple_of, join=join,
+            max_steps_per_round=max_steps_per_round, max_wait_rounds=max_wait_rounds, buffer_size=buffer_size,
+            seed=seed, shuffle=shuffle, depth=depth, grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens,
+            timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
+        _check_workers(num_workers, worker_timeout, timeout)
         self.worker_timeout = worker_timeout
         self.num_workers = num_workers
         self.dataset = dataset
-        if collate_fn is None:
-            collate_cls = FlatCollate if cost == "summed" else PadCollate
-            collate_fn = collate_cls(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
-        self.collate_fn = collate_fn
+        self.collate_fn = _default_collate(cost, pad_token_id, pad_to_multiple_of) if collate_fn is None else collate_fn
         self.spec = SampleSpec(length_fn=length_fn, resources_fn=resources_fn,
-                               resource_names=tuple(grouping.extra_budgets), loss_rule=self.config.loss_tokens)
+                               resource_names=tuple(self.config.grouping.extra_budgets),
+                               loss_rule=self.config.loss_tokens)
         self.streams = Streams(dataset, StreamOptions(
             num_workers=num_workers, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory=pin_memory, multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
             timeout=worker_timeout.total_seconds() if num_workers > 0 else 0))
         self.topology = resolve_topology(process_group, timeout)
-        self.rank = self.topology.rank
-        self.world_size = self.topology.world_size
+        self.rank, self.world_size = self.topology.rank, self.topology.world_size
         # Resolves planning="auto" (NOTE [ The default planning policy ]). Collective when the policy is "global"
         # with more than one planning group (it creates their gloo groups).
         self._planning = setup_planning(planning, planning_group, self.topology, timeout, balance=balance)
@@ -221,11 +168,15 @@ class DynamicBatchLoader:
         """The planning policy this loader runs: ``"local"`` or ``"global"`` (``"auto"`` resolved)."""
         self.exchange = self._planning.exchange
         # The resolved policy, not "auto": a state saved under one policy never resumes under the other.
-        self.fingerprint = config_fingerprint(self.config.grouping, self.config.alignment, self.config.seed,
-                                              self.config.shuffle, self.config.grad_accum_steps,
-                                              self.config.loss_tokens, self.config.balance, self.world_size,
-                                              self.planning, self._planning.size)
+        self.fingerprint = _fingerprint(self.config, self.world_size, self.planning, self._planning.size)
         self.idle_sample = idle_sample
+        self._init_state()
+        self.dropped: list = []
+        """Keys removed under ``oversize="drop"`` (also logged and warned)."""
+        self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
+
+    def _init_state(self) -> None:
+        """The state of epochs, resume and quota-mode carry: every private attribute they change, set once here."""
         self._template: object | None = None
         self._epoch = 0
         self._pending_state: dict | None = None
@@ -246,9 +197,6 @@ class DynamicBatchLoader:
         self._payloads: dict = {}
         self._iterable_stream: Iterator | None = None  # quota mode: the raw stream a carried epoch continues
         self._position = 0                # next stream position (iterable datasets)
-        self.dropped: list = []
-        """Keys removed under ``oversize="drop"`` (also logged and warned)."""
-        self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
 
     # -- public API ----------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -347,44 +295,16 @@ class DynamicBatchLoader:
 
     def load_state_dict(self, state: Mapping) -> None:
         """Resume from :meth:`state_dict` (local to this rank). The next ``iter()`` continues that epoch."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by "
-                             "an incompatible evenflow release")
-        check_schema(state)  # fields and types first: the checks below read them
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"cannot resume: the state was saved with world_size={state['world_size']} but this "
-                             f"job has {self.world_size}; each rank's shard would change. Resume with the same "
-                             "data-parallel degree, or start the epoch afresh")
-        if state["rank"] != self.rank:
-            raise ValueError(f"state of rank {state['rank']} loaded on rank {self.rank}; load each rank's own state")
-        if state["token_budget"] != self.config.grouping.token_budget:
-            raise ValueError(f"cannot resume: token_budget changed from {state['token_budget']} to "
-                             f"{self.config.grouping.token_budget}; resume with the saved budget")
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError("cannot resume: the loader configuration (seed, shuffle, budgets, buffer_size, join, "
-                             "grad_accum_steps, balance, planning policy and planning_group) differs from the saved "
-                             f"one; this loader runs planning={self.planning!r} (planning_group="
-                             f"{self._planning.size}). Use the saved configuration (a state saved while "
-                             "planning='local' was the default needs planning='local')")
-        if not self.streams.iterable and state["num_samples"] != len(self.dataset):
-            raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(self.dataset)}")
-        state = self._validated(state)
-        if self.streams.iterable and not state["join"] and (state["carry"] or state["consumed"]):
-            raise ValueError("cannot resume an IterableDataset in quota mode (join=False) mid-stream: its carried "
-                             "samples live in memory only; resume at an epoch boundary or use join=True")
+        _check_saved_by(state, world_size=self.world_size, rank=self.rank,
+                        token_budget=self.config.grouping.token_budget, fingerprint=self.fingerprint,
+                        planning=self.planning, planning_group=self._planning.size)
+        state = _validated(state, dataset=self.dataset, iterable=self.streams.iterable, rank=self.rank,
+                           world_size=self.world_size, seed=self.config.seed, shuffle=self.config.shuffle,
+                           num_workers=self.num_workers, dropping=self.config.grouping.oversize == "drop")
         self._stop_epoch()
         self._pending_state = dict(state)
         self._epoch = state["epoch"]
         self._bound = -1
-
-    def _validated(self, state: Mapping) -> dict:
-        iterable = self.streams.iterable
-        shard = None
-        if not iterable:  # the shard of the saved epoch: consumed and carried keys must come from it
-            shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=state["epoch"],
-                                  seed=self.config.seed, shuffle=self.config.shuffle)
-        return validate_state(state, num_samples=None if iterable else len(self.dataset), shard=shard,
-                              num_workers=self.num_workers, dropping=self.config.grouping.oversize == "drop")
 
     # -- epoch lifecycle -----------------------------------------------------------------------------------
     def _start_epoch(self) -> None:
@@ -413,7 +333,7 @@ class DynamicBatchLoader:
             payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template,
             rebalancer=(global_round := self._global_round()) or self._rebalancer(), global_round=global_round,
             planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
-            error=error, describe_fetch_error=self._describe_fetch_error)
+            error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout))
         self._pipeline.start()
 
     def _begin_state(self) -> tuple[list, set]:
@@ -434,15 +354,7 @@ class DynamicBatchLoader:
             # Keys are stream positions; quota mode keeps counting across epochs so carried keys stay unique.
             if not keep_planner:
                 self._position = 0
-            old = self._iterable_stream if keep_planner else None
-            if old is None:
-                raw = self.streams.open()
-            elif self.streams.persistent:
-                # Persistent workers: opening resets the one worker iterator, which would drop the unread rest of
-                # the old pass (and re-read its start). Open the new pass only once the old one is exhausted.
-                raw = _chain(old, _deferred(self.streams.open))
-            else:
-                raw = _chain(old, self.streams.open())
+            raw = _continued(self.streams, self._iterable_stream if keep_planner else None)
             self._iterable_stream = raw
             self._keys = []
             return _Numbered(self, raw), None, frozenset(consumed)
@@ -468,18 +380,6 @@ class DynamicBatchLoader:
             kind = "len() failed"
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
                     host=_HOST)
-
-    def _describe_fetch_error(self, exc: BaseException, key: object) -> BaseException:
-        if "DataLoader timed out" not in str(exc):
-            return exc
-        where = f"sample index {sample_of(key)}" if sample_of(key) is not None else "the next sample"
-        err = RuntimeError(
-            f"evenflow: rank {self.rank}'s DataLoader workers delivered no sample within worker_timeout="
-            f"{self.worker_timeout.total_seconds():g}s while it waited for {where}: a __getitem__/__iter__ that "
-            "blocks, a worker that died, or a sample that cannot be pickled to leave its worker (a lock, an open "
-            "file). If decoding is legitimately this slow, raise worker_timeout= (and timeout= above it)")
-        err.__cause__ = exc
-        return err
 
     def _on_yield(self, release: Release) -> None:
         info: StepInfo = release.info
@@ -584,78 +484,5 @@ class DynamicBatchLoader:
                            "idle_sample={...} (a small sample) to DynamicBatchLoader")
 
 
-# Arguments users bring from DataLoader / other dynamic batchers, and what evenflow calls them.
-_RENAMED = {"batch_size": "token_budget", "max_tokens": "token_budget", "max_tokens_per_batch": "token_budget",
-            "max_batch_tokens": "token_budget", "drop_last": "join", "sampler": "shuffle/seed",
-            "batch_sampler": "token_budget", "collate": "collate_fn", "generator": "seed",
-            "gradient_accumulation_steps": "grad_accum_steps"}
-
-
-def _unknown_arguments(unknown: Mapping) -> str:
-    hints = [f"{k}= -> {_RENAMED[k]}=" for k in unknown if k in _RENAMED]
-    text = (f"DynamicBatchLoader got unexpected keyword argument(s) {', '.join(map(repr, unknown))}. Batches are sized "
-            "by token_budget=N (padded tokens per batch per rank under cost='padded', summed tokens under "
-            "cost='summed'), not by a sample count; cap samples per batch with max_samples=")
-    return text + (f" (use {'; '.join(hints)})" if hints else "") + ". See help(evenflow.DynamicBatchLoader)"
-
-
-def _chain(first: Iterator, second: Iterator) -> Iterator:
-    yield from first
-    yield from second
-
-
-def _deferred(open_stream: Callable[[], Iterator]) -> Iterator:
-    yield from open_stream()
-
-
-def _carried(key: object, epoch: int) -> object:
-    """Quota mode, map-style: the key a sample of ``epoch`` keeps when it is carried into later epochs."""
-    return key if isinstance(key, tuple) else (epoch, key)
-
-
-def _check_worker_timeout(worker_timeout: object, timeout: object, num_workers: int) -> None:
-    if not isinstance(worker_timeout, timedelta) or worker_timeout.total_seconds() <= 0:
-        raise ValueError(f"worker_timeout must be a positive datetime.timedelta, got {worker_timeout!r}")
-    if num_workers > 0 and isinstance(timeout, timedelta) and worker_timeout >= timeout:
-        raise ValueError(f"worker_timeout={worker_timeout} must be shorter than timeout={timeout}: a rank whose "
-                         "worker is stuck must report it to its peers before their metadata exchange times out. "
-                         "Lower worker_timeout= or raise timeout=")
-
-
 _HOST = config_fingerprint(socket.gethostname())
 """This host, as ranks compare it: a failed exchange names the dead ranks it can check (same host)."""
-
-
-class _Keyed:
-    """``(key, sample)`` over a map-style stream of ``(index, sample)``: keys in the order they were listed."""
-
-    def __init__(self, keys: list, raw: Iterator) -> None:
-        self.keys = keys
-        self.raw = raw
-        self.position = 0
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> tuple:
-        index, sample = next(self.raw)
-        key = self.keys[self.position]
-        self.position += 1
-        return key, sample
-
-
-class _Numbered:
-    """``(position, sample)`` over a raw stream, positions drawn from the loader's running counter."""
-
-    def __init__(self, loader: DynamicBatchLoader, raw: Iterator) -> None:
-        self.loader = loader
-        self.raw = raw
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> tuple:
-        sample = next(self.raw)
-        key = self.loader._position
-        self.loader._position += 1
-        return key, sample

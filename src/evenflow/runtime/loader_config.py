@@ -1,0 +1,118 @@
+"""LoaderConfig, and DynamicBatchLoader's flat keyword arguments turned into it (evenflow.runtime.loader).
+
+The loader takes flat keyword arguments (``token_budget=``, ``join=``, ...); they become one frozen, validated
+:class:`LoaderConfig` -- everything that decides which samples form which batch -- checked at construction in
+the order a user hits them: unknown names first (with the evenflow name of a DataLoader argument), then the
+config's fields, then the worker arguments. The default collate follows from ``cost``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ..planning.alignment import AlignmentConfig
+from ..planning.grouping import CostModel, GroupingConfig, OversizePolicy
+from ..planning.loss import LossTokenRule
+from .collate import FlatCollate, PadCollate
+from .planning import PLANNING_CHOICES, PlanningChoice
+
+__all__ = ["LoaderConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Everything that decides which samples form which batch (plus pipeline depth)."""
+
+    grouping: GroupingConfig
+    alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
+    seed: int = 0
+    shuffle: bool = True
+    depth: int = 4
+    """Ready batches kept ahead of the trainer (back-pressure waits before a round, never inside it)."""
+    grad_accum_steps: int = 1
+    loss_tokens: LossTokenRule = field(default_factory=LossTokenRule)
+    timeout: timedelta = timedelta(minutes=5)
+    """Bound on every metadata exchange: a dead or stuck peer makes this rank raise after it."""
+    balance: bool = False
+    """Move samples between ranks' batches of each step so their costs match, and give ranks that would be
+    IDLE real work (evenflow.runtime.balancing). Costs one more small exchange and one all-to-all per round."""
+    planning: PlanningChoice = "auto"
+    """``"local"``: each rank groups its own buffer. ``"global"``: the ranks of a planning group pool their
+    buffers' metadata and group the union (evenflow.runtime.global_round); subsumes ``balance``. ``"auto"``
+    (default): resolved once by the loader, from the configuration alone, to ``"global"`` when
+    2 <= world size <= 64 (or ``planning_group`` is given), ``balance=False``; else ``"local"`` (NOTE [ The
+    default planning policy ] in evenflow.runtime.planning). ``balance=True`` with ``"auto"`` keeps the local
+    policy and its rebalancer. The loader's fingerprint records the resolved policy (``loader.planning``)."""
+    planning_group: int | None = None
+    """Ranks per planning group under global planning (consecutive ranks); ``None``: all ranks up to 64,
+    else blocks of 8 (evenflow.runtime.planning.default_planning_group)."""
+
+    def __post_init__(self) -> None:
+        if self.planning not in PLANNING_CHOICES:
+            raise ValueError(f"planning must be one of {', '.join(map(repr, PLANNING_CHOICES))}, got "
+                             f"{self.planning!r}")
+        if self.planning_group is not None and (isinstance(self.planning_group, bool)
+                                                or not isinstance(self.planning_group, int) or self.planning_group < 1):
+            raise ValueError(f"planning_group must be a positive int (ranks per planning group) or None, got "
+                             f"{self.planning_group!r}")
+        if self.planning == "global" and self.balance:
+            raise ValueError("planning='global' already balances every step (it forms the groups over all ranks' "
+                             "buffers); pass balance=False with it, or planning='local' with balance=True")
+        if not isinstance(self.depth, int) or self.depth < 1:
+            raise ValueError(f"depth must be an integer >= 1, got {self.depth!r}")
+        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+
+# Arguments users bring from DataLoader / other dynamic batchers, and what evenflow calls them.
+_RENAMED = {"batch_size": "token_budget", "max_tokens": "token_budget", "max_tokens_per_batch": "token_budget",
+            "max_batch_tokens": "token_budget", "drop_last": "join", "sampler": "shuffle/seed",
+            "batch_sampler": "token_budget", "collate": "collate_fn", "generator": "seed",
+            "gradient_accumulation_steps": "grad_accum_steps"}
+
+
+def _unknown_arguments(unknown: Mapping) -> str:
+    hints = [f"{k}= -> {_RENAMED[k]}=" for k in unknown if k in _RENAMED]
+    text = (f"DynamicBatchLoader got unexpected keyword argument(s) {', '.join(map(repr, unknown))}. Batches are sized "
+            "by token_budget=N (padded tokens per batch per rank under cost='padded', summed tokens under "
+            "cost='summed'), not by a sample count; cap samples per batch with max_samples=")
+    return text + (f" (use {'; '.join(hints)})" if hints else "") + ". See help(evenflow.DynamicBatchLoader)"
+
+
+def _loader_config(*, token_budget: int, cost: CostModel, max_samples: int | None,
+                   extra_budgets: Mapping[str, int] | None, oversize: OversizePolicy, pad_to_multiple_of: int | None,
+                   join: bool, max_steps_per_round: int, max_wait_rounds: int, buffer_size: int, seed: int,
+                   shuffle: bool, depth: int, grad_accum_steps: int, loss_tokens: LossTokenRule | None,
+                   timeout: timedelta, balance: bool, planning: PlanningChoice,
+                   planning_group: int | None) -> LoaderConfig:
+    """The loader's arguments as a :class:`LoaderConfig` (each part validates itself: grouping, alignment, rest)."""
+    grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
+                              extra_budgets=dict(extra_budgets or {}), oversize=oversize,
+                              pad_to_multiple_of=pad_to_multiple_of)
+    alignment = AlignmentConfig(join=join, max_steps_per_round=max_steps_per_round,
+                                max_wait_rounds=max_wait_rounds, buffer_size=buffer_size)
+    return LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
+                        grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
+                        timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
+
+
+def _check_workers(num_workers: object, worker_timeout: object, timeout: object) -> None:
+    """``num_workers``, then ``worker_timeout``: positive, and below ``timeout`` when workers run."""
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    if not isinstance(worker_timeout, timedelta) or worker_timeout.total_seconds() <= 0:
+        raise ValueError(f"worker_timeout must be a positive datetime.timedelta, got {worker_timeout!r}")
+    if num_workers > 0 and isinstance(timeout, timedelta) and worker_timeout >= timeout:
+        raise ValueError(f"worker_timeout={worker_timeout} must be shorter than timeout={timeout}: a rank whose "
+                         "worker is stuck must report it to its peers before their metadata exchange times out. "
+                         "Lower worker_timeout= or raise timeout=")
+
+
+def _default_collate(cost: CostModel, pad_token_id: int, pad_to_multiple_of: int | None) -> Callable:
+    """The collate of ``collate_fn=None``: :class:`PadCollate` (padded cost) or :class:`FlatCollate` (summed)."""
+    collate_cls = FlatCollate if cost == "summed" else PadCollate
+    return collate_cls(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
