@@ -11,6 +11,10 @@ exact per-token loss of a step is the same math on one rank as on two) and varie
     shuffled_4096   evenflow_4096's steps in a random order (same steps: isolates the epoch order)
     counts_4096     random samples, in evenflow_4096's per-step sample counts (isolates the composition)
     *_sqrt          with the sqrt token LR rule (evenflow.TokenLRScaler) instead of none
+    globalpairrand  global_128's groups, each round's groups re-paired into steps by a seeded permutation
+                    (globalpairrandb: a second permutation -- the replay's noise between equivalent arms)
+    globalfold      global_128's groups, each round's fewest-sample group paired with its most-sample one
+    globalshuf / globalroundshuf   global_128_sqrt's steps shuffled over the epoch / within each round
 
     .venv/bin/python benchmarks/quality_replay.py                       # every arm, ~25 min on 2 cores
     .venv/bin/python benchmarks/quality_replay.py --arms fixed evenflow_128
@@ -32,7 +36,33 @@ import numpy as np
 
 ARMS = ("fixed", "fixed_sqrt", "evenflow_4096", "evenflow_128", "evenflow_128_sqrt", "shuffled_4096",
         "counts_4096", "global_128", "global_128_sqrt", "global_64_sqrt", "globalroundshuf_128_sqrt",
-        "globalshuf_128_sqrt")
+        "globalshuf_128_sqrt", "globalpairrand_128_sqrt", "globalpairrandb_128_sqrt", "globalfold_128_sqrt")
+
+
+def _repair(steps: list[list[list[int]]], round_steps: list[int], mode: str, rng) -> list[list[list[int]]]:
+    """Re-pair each round's groups into steps (same groups, so the same padded efficiency and step count).
+
+    ``rand``: a seeded permutation of the round's groups, consecutive pairs form a step. ``fold``: groups sorted
+    by sample count, the k-th most with the k-th fewest (every step mixes a few-sample group with a many-sample
+    one). Steps keep the round's order by the earliest original step of their groups."""
+    out, start = [], 0
+    for n in round_steps:
+        groups = [(start + t, g) for t in range(n) for g in steps[start + t]]
+        world = max(len(steps[start + t]) for t in range(n))
+        if len(groups) != n * world or world != 2:  # a round with IDLE slots: leave it
+            out += steps[start:start + n]
+            start += n
+            continue
+        if mode == "rand":
+            perm = [groups[int(k)] for k in rng.permutation(len(groups))]
+            pairs = [perm[2 * j:2 * j + 2] for j in range(n)]
+        else:
+            srt = sorted(groups, key=lambda x: (len(x[1]), x[0]))
+            pairs = [[srt[j], srt[-1 - j]] for j in range(n)]
+        pairs.sort(key=lambda p: min(x[0] for x in p))
+        out += [[x[1] for x in p] for p in pairs]
+        start += n
+    return out
 
 
 def _steps(arm: str, lengths: np.ndarray, seed: int) -> list[list[list[int]]]:
@@ -47,8 +77,14 @@ def _steps(arm: str, lengths: np.ndarray, seed: int) -> list[list[list[int]]]:
     buffer = int(arm.split("_")[1])
     policy = global_schedule if arm.startswith("global") else evenflow_schedule
     schedule = policy(lengths, world_size=2, grouping=GroupingConfig(token_budget=4096),
-                                 alignment=AlignmentConfig(buffer_size=buffer), seed=seed)
+                      alignment=AlignmentConfig(buffer_size=buffer), seed=seed)
     steps = [[[int(i) for i in g] for g in step if len(g)] for step in schedule.batches()]
+    if arm.startswith("globalpairrandb"):  # a second seeded permutation: the arm-to-arm noise of a re-pairing
+        return _repair(steps, schedule.info["round_steps"], "rand", np.random.default_rng(seed + 1000))
+    if arm.startswith("globalpairrand"):
+        return _repair(steps, schedule.info["round_steps"], "rand", rng)
+    if arm.startswith("globalfold"):
+        return _repair(steps, schedule.info["round_steps"], "fold", rng)
     if arm.startswith("shuffled") or arm.startswith("globalshuf"):
         return [steps[int(k)] for k in rng.permutation(len(steps))]
     if arm.startswith("globalroundshuf"):  # each round's steps in a random order (rounds stay in sequence)
@@ -65,6 +101,16 @@ def _steps(arm: str, lengths: np.ndarray, seed: int) -> list[list[list[int]]]:
             j += n
         return out
     return steps
+
+
+def _imbalance(steps, lengths) -> float:
+    """Mean over steps of max / mean padded cost of the step's 2 ranks (IDLE ranks count as 0); meaningless for the
+    fixed arms, whose 8 micro-batches per step are not ranks."""
+    r = []
+    for s in steps:
+        c = [len(g) * int(lengths[g].max()) for g in s] + [0] * (2 - len(s))
+        r.append(max(c) / (sum(c) / len(c)))
+    return float(np.mean(r))
 
 
 def run_arm(arm: str, seed: int = 0) -> dict:
@@ -105,7 +151,8 @@ def run_arm(arm: str, seed: int = 0) -> dict:
             total += (loss.item(), n)
     padded = sum(len(g) * int(data.lengths[g].max()) for s in steps for g in s)
     return {"arm": arm, "heldout_loss": round(float(total[0] / total[1]), 4), "optimizer_steps": len(steps),
-            "padded_efficiency": round(int(data.lengths.sum()) / padded, 4)}
+            "padded_efficiency": round(int(data.lengths.sum()) / padded, 4),
+            "rank_imbalance": round(_imbalance(steps, data.lengths), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
