@@ -107,8 +107,8 @@ def _evenflow_windows(data: DemoData, config: DemoConfig, *, cost: str) -> Itera
                                 seed=config.seed, shuffle=True, pad_token_id=PAD_ID, cost=cost,
                                 buffer_size=config.buffer_size,
                                 # Pinned, not the library's default (global at 2 ranks): at matched steps
-                                # global planning's more length-homogeneous steps trained worse here (replay,
-                                # seeds 0-3: mean +0.07 nats/token; NOTE [ The default planning policy ]).
+                                # global planning's more length-homogeneous steps trained worse here (replay:
+                                # 6 of 8 seeds; NOTE [ The default planning policy ]).
                                 planning="local",
                                 timeout=timedelta(seconds=config.timeout_s))
     try:

@@ -120,8 +120,8 @@ class DynamicBatchLoader:
       :attr:`planning` is the resolved one. ``balance=True`` with ``"auto"`` runs the local policy with its
       rebalancer; ``planning="global", balance=True`` is refused. ``planning_group``: ranks per planning
       group (``None``: all ranks up to 64, else blocks of 8). See :class:`LoaderConfig`. Global steps pack
-      tightest but are the most length-homogeneous, which trained a tiny model worse at matched steps (mean
-      +0.07 nats/token over 4 seeds in the demo replay; NOTE [ The default planning policy ]).
+      tightest but are the most length-homogeneous, which trained a tiny model worse at matched steps (worse
+      than local on 6 of 8 seeds in the demo replay; NOTE [ The default planning policy ]).
     - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.runtime.step_info.StepInfoMisuse` a few
       fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
       ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).

@@ -68,11 +68,11 @@ def resolve_planning(requested: str, world_size: int, *, balance: bool, planning
         The default is chosen on batching (steps, padding, rank balance), not on what the batches train. Global
         steps are the most length-homogeneous (W cost-neighbour groups per step are also length neighbours):
         in the demo's single-process replay (``benchmarks/quality_replay.py``: a 0.39M-parameter model, 1,000
-        chats, 2 ranks, buffer 128, matched optimizer steps) they trained worse than the local policy's,
-        held-out 5.417/5.519/5.384/5.458 vs 5.314/5.499/5.307/5.370 nats/token on seeds 0-3 (mean +0.07; one
-        run's noise is about +-0.04). Pairing each round's groups so every step mixes sample counts recovers
-        part of it (seeds 0 and 2, not 1 and 3); not built. Check held-out quality, not only throughput, when
-        you switch; ``planning="local"`` with a modest ``buffer_size`` mixes lengths most.
+        chats, 2 ranks, buffer 128, matched optimizer steps) they trained worse than the local policy's on 6
+        of 8 seeds (held-out median +0.056 nats/token; mean over seeds: random fixed batches 5.340, local
+        5.377, global 5.401). Pairing each round's fewest-sample group with its most-sample one (same groups,
+        same steps) gave 5.349, better than global on 7 of 8 seeds; not yet in the planner (README, "What the
+        default does not promise"). Check held-out quality, not only throughput, when you switch.
 
     >>> [resolve_planning("auto", w, balance=False, planning_group=None) for w in (1, 2, 64, 65)]
     ['local', 'global', 'global', 'local']
