@@ -7,6 +7,7 @@ around as plain values. Every collective names its group.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ def resolve_topology(process_group: object | None, timeout: timedelta) -> Topolo
     return Topology(dist.get_rank(group), dist.get_world_size(group), group)
 
 
+# How long a failed exchange keeps looking for a peer on this host that is exiting (see PeerTable.who_died).
+_EXIT_SETTLE_S = 1.0
+
+
 class PeerTable:
     """``(pid, host)`` of every rank of the metadata group, from the first round's reports.
 
@@ -82,7 +87,12 @@ class PeerTable:
             return generic
         me, rows = self.rank, self.rows
         host = rows[me][1]
-        dead = [r for r, (pid, h) in enumerate(rows) if r != me and h == host and pid > 0 and not _alive(pid)]
+        local = [r for r, (pid, h) in enumerate(rows) if r != me and h == host and pid > 0]
+        # A dying process closes its sockets (gloo's error) a moment before the kernel marks it exited, so an
+        # empty answer is checked again for a bounded while: this runs only on a failed exchange.
+        deadline = time.monotonic() + _EXIT_SETTLE_S
+        while not (dead := [r for r in local if not _alive(rows[r][0])]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         remote = [r for r, (_, h) in enumerate(rows) if h != host]
         if dead:
             return (f"Rank(s) {dead} (pid {[rows[r][0] for r in dead]}) are no longer running: they died (killed, "
