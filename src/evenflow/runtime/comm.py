@@ -91,7 +91,7 @@ class PeerTable:
         # A dying process closes its sockets (gloo's error) a moment before the kernel marks it exited, so an
         # empty answer is checked again for a bounded while: this runs only on a failed exchange.
         deadline = time.monotonic() + _EXIT_SETTLE_S
-        while not (dead := [r for r in local if not _alive(rows[r][0])]) and time.monotonic() < deadline:
+        while not (dead := [r for r in local if not _alive(rows[r][0])]) and local and time.monotonic() < deadline:
             time.sleep(0.05)
         remote = [r for r, (_, h) in enumerate(rows) if h != host]
         if dead:
