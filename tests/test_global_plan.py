@@ -42,7 +42,9 @@ def rounds(draw):
     config = GlobalPlanConfig(grouping=grouping, max_steps=draw(st.integers(1, 4)), max_wait_rounds=3,
                               time_cost=TimeCost(phases=(PhaseTime(alpha=1.0, beta=beta),), layout=cost),
                               ranks_per_node=draw(st.sampled_from([None, 2])),
-                              keep_home_tolerance=draw(st.sampled_from([None, 0.05])))
+                              keep_home_tolerance=draw(st.sampled_from([None, 0.05])),
+                              mix=draw(st.sampled_from(["stratified", "cost_order"])),
+                              mix_tolerance=draw(st.sampled_from([0.0, 0.02, 0.3])))
     final = draw(st.booleans())
     return (np.array(lengths, dtype=np.int64), np.array(sources, dtype=np.int64), world, np.array(ages),
             {"patches": np.array(patches, dtype=np.int64)}, config, final)

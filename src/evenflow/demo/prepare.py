@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..data import ChatDataset, QwenChatTokenizer, RemappedDataset, VocabRemap, chitchat_conversations
+from ..data.sources import Conversation
 from .config import DemoConfig
 
 __all__ = ["DemoData", "prepare_data"]
@@ -26,23 +28,25 @@ class DemoData:
     vocab_size: int
 
 
-def prepare_data(config: DemoConfig) -> DemoData:
+def prepare_data(config: DemoConfig, conversations: Sequence[Conversation] | None = None,
+                 name: str = "chitchat") -> DemoData:
     """Pick ``train_samples`` + ``heldout_samples`` conversations (seeded, disjoint) and build the remap.
 
+    ``conversations``: the pool to draw from (default: the chitchat chats with a reply), ``name`` its name.
     Building the remap runs the real pipeline once over the train samples (a second or two per thousand
     chats); held-out ids the remap has not kept become ``unk``.
     """
-    conversations = chitchat_conversations()
+    conversations = chitchat_conversations() if conversations is None else list(conversations)
     need = config.train_samples + config.heldout_samples
     if need > len(conversations):
-        raise ValueError(f"train_samples + heldout_samples = {need} exceeds the {len(conversations)} chitchat "
-                         "conversations with a reply; lower them")
+        raise ValueError(f"train_samples + heldout_samples = {need} exceeds the {len(conversations)} {name} "
+                         "conversations; lower them")
     order = np.random.default_rng(config.seed).permutation(len(conversations))
     tokenizer = QwenChatTokenizer()
     train = ChatDataset([conversations[i] for i in order[:config.train_samples]], tokenizer=tokenizer,
-                        cutoff=config.cutoff, name="chitchat")
+                        cutoff=config.cutoff, name=name)
     heldout = ChatDataset([conversations[i] for i in order[config.train_samples:need]], tokenizer=tokenizer,
-                          cutoff=config.cutoff, name="chitchat-heldout")
+                          cutoff=config.cutoff, name=f"{name}-heldout")
     lengths, loss_tokens, counts = [], [], np.zeros(tokenizer.vocab_size, dtype=np.int64)
     for i in range(len(train)):
         sample = train[i]

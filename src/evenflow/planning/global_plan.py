@@ -2,8 +2,8 @@
 
 Signature (what the runtime's global round calls on every rank, on the same gathered metadata)::
 
-    plan_global_round(lengths, sources, num_ranks, *, config: GlobalPlanConfig,
-                      age=None, extra=None, item_bytes=None, final=False, num_steps=None) -> GlobalRoundPlan
+    plan_global_round(lengths, sources, num_ranks, *, config: GlobalPlanConfig, age=None, extra=None,
+                      item_bytes=None, final=False, num_steps=None, progress=None) -> GlobalRoundPlan
 
 * ``lengths[i]`` -- token count of buffered item i (the union of all ranks' buffers, in any fixed order;
   rank-major, arrival order within a rank is what the runtime uses);
@@ -11,7 +11,9 @@ Signature (what the runtime's global round calls on every rank, on the same gath
 * ``extra[name][i]`` -- per-item resources for ``config.grouping.extra_budgets`` and for time-cost phases;
 * ``item_bytes[i]`` -- bytes moved if item i changes rank (default: its length);
 * ``final`` -- no rank will buffer another sample this epoch (join-mode drain): plan the rest evenly;
-* ``num_steps`` -- T fixed by the caller (``None``: chosen from the buffer); the plan has exactly T steps.
+* ``num_steps`` -- T fixed by the caller (``None``: chosen from the buffer); the plan has exactly T steps;
+* ``progress`` -- what the epoch emitted before (:class:`~evenflow.planning.global_mix.EpochProgress`: the
+  round index and the samples and tokens so far; every rank advances it the same way after each plan).
 
 ``GlobalRoundPlan``: ``num_steps`` = T; ``step[i]``, ``dest[i]`` = step and rank that train item i, both
 ``-1`` when the item stays buffered at ``sources[i]`` for a later round; ``slot_cost[t, r]`` = the planner's
@@ -23,16 +25,21 @@ How a round is planned (every step is a function of the input only, ties broken 
    padded length, take the longest feasible run from the top -- the optimal contiguous partition). Equal
    padded lengths are ordered by source rank, so groups of equal-length items come from one rank when they
    can (free locality: the cost does not change).
-2. **Equal-cost steps, chosen whole.** ``T = min(max_steps, G // W)`` full steps (at least 1; more, up to
-   ``n // W``, while old groups wait). All groups are sorted by time cost
-   (:class:`~evenflow.planning.timecost.TimeCost`, token-counting by default) and cut into blocks of W
-   consecutive ones -- the global oracle's rule, so the W groups of a step cost about the same -- and T
-   whole blocks go: those holding an old item (waited ``max_wait_rounds``) first, then the
-   fullest (real tokens); the rest stays buffered and regroups with the next arrivals (NOTE [ Choosing
-   whole steps ]). NOTE [ Drain sized from the remaining work ] covers ``final``; ``num_steps`` fixes T from
-   outside (the runtime's alignment between planning groups, :func:`round_target`): T blocks are chosen as
-   above, and with fewer than ``T * W`` groups the costliest are split until every slot has work.
-3. **Step order**: costliest step first (a memory problem shows at the round's first step).
+2. **Balanced, mixed steps, sampled from the buffer** (``mix="stratified"``, the default;
+   :mod:`evenflow.planning.global_mix`). ``T = min(max_steps, G // W)`` steps (at least 1; more, up to
+   ``n // W``, while old groups wait). The groups are sorted by time cost
+   (:class:`~evenflow.planning.timecost.TimeCost`, token-counting by default) and cut into cost bands of whole
+   steps, inside which any groups may share a step (costs within ``mix_tolerance``); each band is dealt by
+   length strata, so a step mixes short and long groups (NOTE [ Stratified steps ]). From these candidate steps
+   the round emits a systematic sample by mean sample length, the oldest item's step included once it waited
+   ``max_wait_rounds`` (NOTE [ A round emits a sample of the buffer ]); the partial group at the short end and
+   ``G mod W`` others stay buffered and regroup with the next arrivals. NOTE [ Drain sized from the remaining
+   work ] covers ``final``; ``num_steps`` fixes T from outside (the runtime's alignment between planning groups,
+   :func:`round_target`), and with fewer than ``T * W`` groups the costliest are split until every slot has work.
+   ``mix="cost_order"`` is the planner before issue 18: blocks of W cost neighbours, the fullest chosen first
+   (NOTE [ Choosing whole steps ]) -- steps as homogeneous in length as their costs, in a curriculum order.
+3. **Step order**: shortest-longest alternating by length key (NOTE [ Round order ]); ``cost_order``: costliest
+   step first.
 4. **Least movement.** Within a step the W groups are interchangeable: each goes to a rank by a
    maximum-weight matching on bytes already there (same node first, then same rank) -- exact
    (``scipy.optimize.linear_sum_assignment``) up to ``EXACT_MATCH_MAX_RANKS`` ranks; beyond, a sparse greedy
@@ -58,25 +65,27 @@ NOTE [ Drain sized from the remaining work ]
 
 >>> cfg = GlobalPlanConfig(grouping=GroupingConfig(token_budget=8), max_steps=2)
 >>> p = plan_global_round([4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1], 2, config=cfg)
->>> p.num_steps, p.slots()  # step 0: two groups of 4s (both from rank 0: one moves); step 1: 2s
-(2, [[[2, 3], [0, 1]], [[4, 5, 8, 9], [6, 7, 10, 11]]])
+>>> p.num_steps, p.slots()  # the 4s and the 2s cost the same (8): every step mixes one of each
+(2, [[[0, 1], [6, 7, 10, 11]], [[2, 3], [4, 5, 8, 9]]])
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 # Step 1 and the drain live in global_groups.py, steps 3 and 4 in global_place.py; step 2 and the entry point here.
 from .global_groups import _drain_groups, _group_table, _split_to, _Table
 from .global_groups import _greedy_bounds, _greedy_bounds_extra, global_groups  # noqa: F401 - tests import them here
+from .global_mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
 from .global_place import _deal, _place
-from .grouping import GroupingConfig
+from .grouping import GroupingConfig, padded_length
 from .timecost import TOKENS, TimeCost
 
-__all__ = ["GlobalPlanConfig", "GlobalRoundPlan", "plan_global_round", "global_groups", "round_target"]
+__all__ = ["GlobalPlanConfig", "GlobalRoundPlan", "plan_global_round", "global_groups", "round_target", "EpochProgress"]
 
 EXACT_MATCH_MAX_RANKS = 256
 """Up to this many ranks each step's placement is an exact assignment on a dense ``[W, W]`` score (measured:
@@ -101,8 +110,21 @@ class GlobalPlanConfig:
     keep_home_tolerance: float | None = None
     """Padded cost ``(1 + tol)`` this may spend to keep samples home (NOTE [ Keep-home tolerance ]); ``None``:
     only exact ties are grouped by source (free). Off by default: it trades padded efficiency for bytes."""
+    mix: Literal["stratified", "cost_order"] = "stratified"
+    """How steps are composed and chosen. ``"stratified"``: each step mixes lengths within a cost band and a
+    round emits a systematic sample of the buffer (:mod:`evenflow.planning.global_mix`). ``"cost_order"``: the
+    planner before issue 18 -- W cost neighbours per step, the fullest steps first, costliest first; steps as
+    length-homogeneous as they come and ordered like a curriculum (kept as a benchmark baseline)."""
+    mix_tolerance: float = 0.02
+    """Groups whose time costs differ by at most this fraction share a band and mix (NOTE [ Stratified steps ]):
+    the per-step imbalance it may add. 0 keeps only exact cost ties interchangeable."""
 
     def __post_init__(self) -> None:
+        if self.mix not in ("stratified", "cost_order"):
+            raise ValueError(f"mix must be 'stratified' or 'cost_order', got {self.mix!r}")
+        if not (isinstance(self.mix_tolerance, (int, float)) and not isinstance(self.mix_tolerance, bool)
+                and 0 <= self.mix_tolerance < 1):
+            raise ValueError(f"mix_tolerance must be a fraction in [0, 1), got {self.mix_tolerance!r}")
         if self.keep_home_tolerance is not None and not (
                 isinstance(self.keep_home_tolerance, (int, float)) and 0 < self.keep_home_tolerance < 1):
             raise ValueError(f"keep_home_tolerance must be a fraction in (0, 1) or None, got "
@@ -194,13 +216,15 @@ def _inputs(lengths, sources, num_ranks, age, extra, item_bytes, config):
 
 def _group_stats(table: _Table, lengths: np.ndarray, ages: np.ndarray, extra: Mapping[str, np.ndarray],
                  time_cost: TimeCost) -> tuple[np.ndarray, ...]:
-    """Per group: (oldest age, real tokens, lowest id, time cost), by reduceat over the order the slices tile."""
+    """Per group: (oldest age, real tokens, lowest id, time cost, samples, length key), by reduceat over the order
+    the slices tile (length key: :func:`~evenflow.planning.global_mix.length_keys`)."""
     asc = np.argsort(table.lo, kind="stable")  # the greedy's lo descend: numpy detects the reversal
     starts = table.lo[asc]
-    stats = np.empty((3, len(table)), dtype=np.int64)
+    stats = np.empty((4, len(table)), dtype=np.int64)
     stats[:, asc] = (np.maximum.reduceat(ages[table.order], starts),
                      np.add.reduceat(lengths[table.order], starts),
-                     np.minimum.reduceat(table.order, starts))
+                     np.minimum.reduceat(table.order, starts),
+                     np.diff(np.append(starts, table.order.size)))
     times = np.zeros(len(table))
     for phase in time_cost.phases:
         v = (lengths if phase.length_key == TOKENS else extra[phase.length_key])[table.order]
@@ -211,7 +235,10 @@ def _group_stats(table: _Table, lengths: np.ndarray, ages: np.ndarray, extra: Ma
         else:
             work = np.add.reduceat(np.where(active, phase(v), 0.0), starts)
         times[asc] += np.where(count > 0, work, 0.0)
-    return stats[0], stats[1], stats[2], times
+    keys = np.empty(len(table))
+    keys[asc] = length_keys(lengths, table.order, np.repeat(np.arange(len(table)), np.diff(np.append(
+        starts, table.order.size))), len(table))
+    return stats[0], stats[1], stats[2], times, stats[3], keys
 
 
 def _choose(table: _Table, stats: tuple[np.ndarray, ...], steps: int, world: int,
@@ -229,7 +256,7 @@ def _choose(table: _Table, stats: tuple[np.ndarray, ...], steps: int, world: int
         within ``max_wait_rounds + (items buffered over all ranks) - 1`` rounds -- the local protocol's
         argument (NOTE [ Bounded waiting ]) with the union of the buffers in place of one rank's.
     """
-    oldest, real, first, times = stats
+    oldest, real, first, times = stats[:4]
     count = steps * world
     if count >= len(table):
         return [table.group(k) for k in range(len(table))]
@@ -279,18 +306,82 @@ def round_target(groups: Sequence[int], samples: Sequence[int], sizes: Sequence[
     return int(max(1, min(int((g // k).max()), cap, int((n[active] // k[active]).min()))))
 
 
+# -- 2'. stratified: which steps go this round (evenflow.planning.global_mix) ---------------------------------
+
+def _open_groups(table: _Table, lengths: np.ndarray, grouping: GroupingConfig) -> np.ndarray:
+    """Groups that could still take an item as long as their longest (padded) or their shortest (summed): the
+    partial group at the short end of the greedy cut. They fill up if they wait."""
+    asc = np.argsort(table.lo, kind="stable")
+    starts = table.lo[asc]
+    sizes = np.diff(np.append(starts, table.order.size))
+    out = np.zeros(len(table), dtype=bool)
+    if grouping.cost == "padded":
+        top = np.maximum.reduceat(padded_length(lengths, grouping.pad_to_multiple_of)[table.order], starts)
+        fits = (sizes + 1) * top <= grouping.token_budget
+    else:
+        ls = lengths[table.order]
+        fits = np.add.reduceat(ls, starts) + np.minimum.reduceat(ls, starts) <= grouping.token_budget
+    if grouping.max_samples is not None:
+        fits &= sizes < grouping.max_samples
+    out[asc] = fits
+    return out
+
+
+def _choose_stratified(table: _Table, stats: tuple[np.ndarray, ...], lengths: np.ndarray, steps: int, world: int,
+                       config: GlobalPlanConfig, progress: EpochProgress, final: bool) -> list[np.ndarray]:
+    """``steps * W`` groups, step-major (W per step): candidate steps from the cost bands, a systematic sample of
+    them (NOTE [ A round emits a sample of the buffer ]). ``final``: nothing arrives any more, so an open group
+    would only wait for the drain -- it is a candidate like the others."""
+    oldest, real, first, times, sizes, keys = stats
+    g = len(table)
+    is_old = oldest >= config.max_wait_rounds
+    open_ = _open_groups(table, lengths, config.grouping) & ~is_old & (not final)
+    candidates = max(steps, min(g // world, (g - int(open_.sum())) // world))
+    # Sitting out: open groups first, then a systematic sample by length key of the rest (old ones last), so
+    # the ``G mod W`` groups that wait are not always the least full -- those are the long ones (sawtooth).
+    rest = np.flatnonzero(~open_)
+    rest = rest[np.lexsort((rest, keys[rest], is_old[rest]))]
+    young = int((~is_old[rest]).sum())
+    spare = g - candidates * world - min(int(open_.sum()), g - candidates * world)
+    sit_out = np.concatenate((np.flatnonzero(open_)[:g - candidates * world],
+                              rest[systematic(young, spare, progress.round)] if spare <= young else rest[:spare]))
+    cand = np.setdiff1d(np.arange(g), sit_out)
+    blocks = cand[band_steps(times[cand], keys[cand], world, config.mix_tolerance)]
+    chosen = select_steps(np.stack((sizes[blocks].sum(axis=1), real[blocks].sum(axis=1)), axis=1),
+                          oldest[blocks].max(axis=1), steps, progress=progress,
+                          buffered=(lengths.size, int(lengths.sum())), max_wait=config.max_wait_rounds)
+    return [table.group(int(k)) for k in blocks[chosen].ravel()]
+
+
+def _compose(groups: list[np.ndarray], times: np.ndarray, keys: np.ndarray, lengths: np.ndarray, world: int,
+             steps: int, tolerance: float, *, dealt: bool) -> np.ndarray:
+    """Slot of each group for the stratified mix: steps (``dealt``: W consecutive groups; otherwise formed here by
+    cost bands) in NOTE [ Round order ]. Fewer groups than slots (a drain that could not split): the IDLE
+    slots spread over the steps (``_deal``)."""
+    if len(groups) < steps * world:
+        return _deal(groups, times, world, steps)
+    blocks = (np.arange(len(groups)).reshape(-1, world) if dealt else band_steps(times, keys, world, tolerance))
+    member = np.concatenate([groups[k] for k in blocks.ravel()])
+    step_of = np.repeat(np.arange(steps), [sum(len(groups[k]) for k in b) for b in blocks])
+    step_keys = length_keys(lengths, member, step_of, steps)
+    slot = np.empty(len(groups), dtype=np.int64)
+    slot[blocks[round_order(step_keys)].ravel()] = np.arange(len(groups))
+    return slot
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 
 def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int] | np.ndarray, num_ranks: int, *,
                       config: GlobalPlanConfig, age: Sequence[int] | np.ndarray | None = None,
                       extra: Mapping[str, Sequence[int] | np.ndarray] | None = None,
                       item_bytes: Sequence[float] | np.ndarray | None = None, final: bool = False,
-                      num_steps: int | None = None) -> GlobalRoundPlan:
+                      num_steps: int | None = None, progress: EpochProgress | None = None) -> GlobalRoundPlan:
     """Plan one global round (module docstring). Deterministic: same input, same plan, on every rank.
 
     Every emitted group is within every budget; every item is emitted at most once (``step``/``dest``) and
     the kept ones are exactly ``kept``; every step has W slots, IDLE only when fewer items than slots remain.
-    With ``num_steps`` the plan has exactly that many steps (all IDLE without items).
+    With ``num_steps`` the plan has exactly that many steps (all IDLE without items). ``progress``: what the
+    epoch emitted before this round (:class:`EpochProgress`; only the stratified mix reads it).
     """
     ls, src, ages, ext, nbytes = _inputs(lengths, sources, num_ranks, age, extra, item_bytes, config)
     world, n = int(num_ranks), ls.size
@@ -300,12 +391,17 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     if n == 0:
         steps = num_steps or 0
         return GlobalRoundPlan(steps, np.empty(0, np.int64), np.empty(0, np.int64), np.zeros((steps, world)))
+    stratified = config.mix == "stratified"
     table = _group_table(ls, src, config.grouping, ext, config.keep_home_tolerance)
     stats = _group_stats(table, ls, ages, ext, config.time_cost)
     steps = num_steps or _num_steps(len(table), int((stats[0] >= config.max_wait_rounds).sum()), n, world,
                                     config, final)
+    dealt = False
     if final and len(table) <= steps * world:
         groups = _drain_groups(ls, src, ext, config.grouping, table, steps * world, config.keep_home_tolerance)
+    elif stratified and steps * world < len(table):
+        groups = _choose_stratified(table, stats, ls, steps, world, config, progress or EpochProgress(), final)
+        dealt = True
     else:
         groups = _choose(table, stats, steps, world, config.max_wait_rounds)
         groups = _split_to(groups, ls, config.grouping, steps * world)
@@ -314,7 +410,11 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     lens = {TOKENS: ls[member], **{k: v[member] for k, v in ext.items()}}
     times = config.time_cost.group_times(lens, group_of, len(groups))
-    slot_of_group = _deal(groups, times, world, steps)
+    if stratified:
+        keys = length_keys(ls, member, group_of, len(groups))
+        slot_of_group = _compose(groups, times, keys, ls, world, steps, config.mix_tolerance, dealt=dealt)
+    else:
+        slot_of_group = _deal(groups, times, world, steps)
     slot_of_item = slot_of_group[group_of]
     rank_of_slot = _place(slot_of_item, src[member], nbytes[member], world, steps, config.ranks_per_node or world,
                           exact=world <= EXACT_MATCH_MAX_RANKS)

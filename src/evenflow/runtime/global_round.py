@@ -45,7 +45,7 @@ import torch
 
 from ..balance.dispatch import exchange_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
-from ..planning.global_plan import GlobalPlanConfig, global_groups, plan_global_round, round_target
+from ..planning.global_plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
 from ..planning.grouping import GroupingConfig
 from .balancing import BalancedRound
 from .comm import MetadataExchange, PlanningGroups
@@ -112,6 +112,9 @@ class GlobalRound:
                                        max_wait_rounds=alignment.max_wait_rounds)
         self.bytes_sent = 0
         """Pickled payload bytes this rank sent to peers so far (benchmarks report bytes moved per step)."""
+        self.progress = EpochProgress()
+        """What this epoch emitted so far in the planning group (the same on every member; NOTE [ A round emits a
+        sample of the buffer ]). One GlobalRound per epoch, so it starts at zero, also after a resume."""
         self._last: _Round | None = None
 
     # -- the collator's hooks ------------------------------------------------------------------------------
@@ -202,7 +205,9 @@ class GlobalRound:
         One group with an empty union (every buffer drained while the round emits): one IDLE step."""
         k = self.groups.inner.world_size
         p = plan_global_round(buf.length, buf.src, k, config=self.config, age=buf.wait, extra=buf.extra,
-                              final=final, num_steps=target if target is not None or len(buf) else 1)
+                              final=final, num_steps=target if target is not None or len(buf) else 1,
+                              progress=self.progress)
+        self.progress = self.progress.advance(buf.length, p.emitted)
         return p.slots()
 
     def _final(self, table: np.ndarray) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..planning import AlignmentConfig, GroupingConfig
-from ..planning.global_plan import GlobalPlanConfig, plan_global_round
+from ..planning.global_plan import EpochProgress, GlobalPlanConfig, plan_global_round
 from ..planning.timecost import TimeCost
 from .policies import shard
 from .schedule import Schedule
@@ -74,24 +74,31 @@ class _Buffers:
 def global_schedule(lengths: np.ndarray, *, world_size: int, grouping: GroupingConfig,
                     alignment: AlignmentConfig = AlignmentConfig(), time_cost: TimeCost | None = None,
                     seed: int = 0, extra: Mapping[str, np.ndarray] | None = None, ranks_per_node: int | None = None,
-                    keep_home_tolerance: float | None = None, name: str = "evenflow_global") -> Schedule:
-    """One epoch of global planning over ``lengths`` (sample i has ``lengths[i]`` tokens). Join mode."""
+                    keep_home_tolerance: float | None = None, mix: str = "stratified",
+                    mix_tolerance: float = GlobalPlanConfig.mix_tolerance, name: str = "evenflow_global") -> Schedule:
+    """One epoch of global planning over ``lengths`` (sample i has ``lengths[i]`` tokens). Join mode.
+
+    ``mix="cost_order"`` plans as before issue 18 (:class:`~evenflow.planning.GlobalPlanConfig`), for comparison."""
     lengths = np.asarray(lengths, dtype=np.int64)
     config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
                               max_wait_rounds=alignment.max_wait_rounds, time_cost=time_cost or TimeCost(),
-                              ranks_per_node=ranks_per_node, keep_home_tolerance=keep_home_tolerance)
+                              ranks_per_node=ranks_per_node, keep_home_tolerance=keep_home_tolerance, mix=mix,
+                              mix_tolerance=mix_tolerance)
     extra = {k: np.asarray(v, dtype=np.int64) for k, v in (extra or {}).items()}
     buffers = _Buffers(shard(len(lengths), world_size, seed=seed), lengths, alignment, grouping.token_budget)
     steps: list[list[list[int]]] = []
     rounds = moved = moved_tokens = 0
     round_steps: list[int] = []
+    progress = EpochProgress()
     while True:
         buffers.fill(rounds)
         if buffers.ids.size == 0 and buffers.exhausted:
             break
         plan = plan_global_round(lengths[buffers.ids], buffers.src, world_size, config=config, age=buffers.age,
-                                 extra={k: v[buffers.ids] for k, v in extra.items()}, final=buffers.exhausted)
+                                 extra={k: v[buffers.ids] for k, v in extra.items()}, final=buffers.exhausted,
+                                 progress=progress)
         emitted = plan.emitted
+        progress = progress.advance(lengths[buffers.ids], emitted)
         away = emitted[plan.dest[emitted] != buffers.src[emitted]]
         moved += int(away.size)
         moved_tokens += int(lengths[buffers.ids[away]].sum())
