@@ -13,6 +13,9 @@ Issue 12: the global round plan (:func:`evenflow.planning.plan_global_round`) ov
 samples (262,144 items) under 50 ms, on uniform and skewed buffers (one rank holding most of the long samples),
 with wall and CPU time (CPU time is the better figure on a loaded machine).
 
+Issue 18: the stratified round plan (the default) against the planner before it, ABBA-interleaved, at 64 x
+4,096 and 2,560 x 64 buffered items -- the per-pair CPU-time ratio (goal <= 1.2).
+
 Run alone: ``python benchmarks/bench_planner.py [--repeats N]``; prints human lines, then one JSON line last.
 """
 
@@ -159,6 +162,37 @@ def bench_global_round(repeats: int) -> dict:
     return out
 
 
+def bench_global_mix(repeats: int) -> dict:
+    """Issue 18: the stratified round plan (the default) against the planner before it (``mix="cost_order"``),
+    on 64 ranks x 4,096 and 2,560 ranks x 64 buffered items: arms ABBA-interleaved in one process, CPU time, the
+    median of each and the median of the per-pair ratios (goal: <= 1.2)."""
+    from evenflow.planning import GlobalPlanConfig, PhaseTime, TimeCost, plan_global_round
+
+    rng = np.random.default_rng(18)
+    out = {}
+    for world, per_rank in ((64, BUFFER), (2_560, 64)):
+        lengths = np.concatenate([lognormal_lengths(2.4, per_rank, seed=s) for s in range(world)])
+        src = np.repeat(np.arange(world), per_rank)
+        ages = rng.integers(0, 20, lengths.size)
+        cfgs = {mix: GlobalPlanConfig(grouping=GroupingConfig(token_budget=BUDGET), max_steps=8, mix=mix,
+                                      time_cost=TimeCost(phases=(PhaseTime(alpha=1.0, beta=1.2e-5),)), ranks_per_node=8)
+                for mix in ("stratified", "cost_order")}
+        cpu: dict[str, list[float]] = {k: [] for k in cfgs}
+        for cfg in cfgs.values():  # warm-up
+            plan_global_round(lengths, src, world, config=cfg, age=ages)
+        for rep in range(repeats):
+            for mix in (list(cfgs) if rep % 2 == 0 else list(cfgs)[::-1]):  # ABBA
+                c0 = time.process_time()
+                plan_global_round(lengths, src, world, config=cfgs[mix], age=ages)
+                cpu[mix].append((time.process_time() - c0) * 1e3)
+        ratios = [a / b for a, b in zip(cpu["stratified"], cpu["cost_order"])]
+        out[f"{world}x{per_rank}"] = {"stratified_cpu_ms_median": statistics.median(cpu["stratified"]),
+                                      "cost_order_cpu_ms_median": statistics.median(cpu["cost_order"]),
+                                      "ratio_median": statistics.median(ratios),
+                                      "ratio_range": [min(ratios), max(ratios)], "repeats": repeats}
+    return out
+
+
 def run(repeats: int = 50) -> dict:
     datasets = {f"lognormal_cv{cv}": lognormal_lengths(cv) for cv in (0.8, 1.5, 2.4)}
     vidur = vidur_lengths()
@@ -169,6 +203,7 @@ def run(repeats: int = 50) -> dict:
     decide = bench_decide(repeats)
     rank_round = bench_rank_round(datasets["lognormal_cv2.4"], repeats)
     global_round = bench_global_round(max(3, repeats // 5))
+    global_mix = bench_global_mix(max(4, repeats // 5))
     worst = {cost: max(row[f"{cost}_ms"] for row in grouping.values()) for cost in ("padded", "summed")}
     measured = {"padded": worst["padded"], "summed": worst["summed"], "decide_round": decide["decide_ms"]}
     return {
@@ -178,6 +213,7 @@ def run(repeats: int = 50) -> dict:
         "load_avg_1min": round(os.getloadavg()[0], 2),  # other processes on the machine inflate medians
         "buffer": BUFFER, "token_budget": BUDGET, "repeats": repeats,
         "grouping": grouping, "decide_round": decide, "rank_round": rank_round, "global_round": global_round,
+        "global_mix": global_mix,
         "worst_ms": measured, "goals_ms": GOALS_MS,
         "goals_met": {k: measured[k] < GOALS_MS[k] for k in GOALS_MS},
         "skipped": skipped,
@@ -205,6 +241,10 @@ def main() -> None:
               f"{g[name]['wall_ms_min']:.1f} / median {g[name]['wall_ms_median']:.1f} ms, CPU min "
               f"{g[name]['cpu_ms_min']:.1f} ms (goal < {GOAL_GLOBAL_MS:g} ms idle core)")
     print(f"  final (drain) round: {g['final_round_cpu_ms']:.1f} ms CPU")
+    for case, m in result["global_mix"].items():
+        print(f"stratified vs cost_order round plan, {case}: {m['stratified_cpu_ms_median']:.1f} vs "
+              f"{m['cost_order_cpu_ms_median']:.1f} ms CPU (median); per-pair ratio median {m['ratio_median']:.3f}, "
+              f"range {m['ratio_range'][0]:.2f}-{m['ratio_range'][1]:.2f} (goal <= 1.2)")
     for line in result["skipped"]:
         print(line)
     print(f"load average (1 min) during the run: {result['load_avg_1min']} on {os.cpu_count()} cores")

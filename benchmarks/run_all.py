@@ -24,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_composition  # noqa: E402
 import bench_gloo  # noqa: E402
 import bench_loader  # noqa: E402
 import bench_mllm  # noqa: E402
@@ -221,7 +222,8 @@ def planner_latency(quick: bool) -> dict:
     import numpy as np  # noqa: PLC0415
 
     return {"plan_balance": bench_balance.plan_latency(np.random.default_rng(0), 3 if quick else 7),
-            "global_round": bench_planner.bench_global_round(3 if quick else 5)}
+            "global_round": bench_planner.bench_global_round(3 if quick else 5),
+            "global_mix": bench_planner.bench_global_mix(4 if quick else 10)}
 
 
 def latency_summary(latency: dict) -> dict[str, float]:
@@ -244,7 +246,14 @@ def latency_markdown(latency: dict) -> str:
         f"or the longest samples (global round). Load average during the run: {pb['load_avg_1min']:.1f} -- on a "
         "shared machine wall times are inflated; CPU time is the closer figure.", "",
         "| planner | wall min (ms) | wall median (ms) | CPU min (ms) |", "|---|---|---|---|", *rows, "",
-        f"First call in a fresh process (plan_balance 64 x 32, no warm-up): {pb['first_call_ms_fresh_process']:.0f} ms."])
+        f"First call in a fresh process (plan_balance 64 x 32, no warm-up): {pb['first_call_ms_fresh_process']:.0f} ms.",
+        "", "Issue 18, the stratified round plan (default) against the planner before it (`mix=\"cost_order\"`), "
+        "ABBA-interleaved in one process, CPU time (goal: ratio <= 1.2):", "",
+        "| buffered items | stratified median (ms) | cost_order median (ms) | per-pair ratio median (range) |",
+        "|---|---|---|---|",
+        *[f"| {k} | {v['stratified_cpu_ms_median']:.1f} | {v['cost_order_cpu_ms_median']:.1f} | "
+          f"{v['ratio_median']:.3f} ({v['ratio_range'][0]:.2f}-{v['ratio_range'][1]:.2f}) |"
+          for k, v in latency.get("global_mix", {}).items()]])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,6 +318,15 @@ def main(argv: list[str] | None = None) -> None:
             _log("global planning benchmark failed:\n" + traceback.format_exc())
         timings["global_planning"] = time.perf_counter() - ts
 
+    composition = None
+    _log("step composition (issue 18): every policy, simulated, and the real loader on 4 gloo ranks ...")
+    ts = time.perf_counter()
+    try:
+        composition = bench_composition.run(quick=args.quick, real=not args.skip_global)
+    except Exception:  # noqa: BLE001
+        _log("composition benchmark failed:\n" + traceback.format_exc())
+    timings["composition"] = time.perf_counter() - ts
+
     latency = None
     _log("planner latency: plan_balance (64 / 2,560 ranks x 32) and the global round plan (64 x 4,096) ...")
     ts = time.perf_counter()
@@ -338,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     md.append(bench_train.markdown(train) if train else "Not run (or failed; see the log).")
     md += ["", "## Multimodal orchestration on real media (vision / audio / LLM)", ""]
     md.append(bench_mllm.markdown(mllm) if mllm else "Not run (or failed; see the log).")
+    md += ["", "## What the steps are made of (issue 18)", ""]
+    md.append(bench_composition.markdown(composition) if composition else "Not run (or failed; see the log).")
     md += ["", "## Planner latency (issue 12, item 4)", ""]
     md.append(latency_markdown(latency) if latency else "Not run (or failed; see the log).")
     md += ["", "## Not covered", "",
@@ -353,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text("\n".join(md) + "\n")
     with open(RESULTS / f"{stem}.json", "w") as f:
         json.dump({"sim": {k: v for k, v in sim.items() if not k.startswith("_")}, "gloo": gloo, "train": train,
-                   "mllm": mllm, "real_4ranks": planning, "timings_s": timings}, f, default=str)
+                   "mllm": mllm, "real_4ranks": planning, "composition": composition, "timings_s": timings}, f,
+                  default=str)
     _log(f"wrote {path} in {timings['total'] / 60:.1f} min")
     line = dict(sim["json"])
     line["run_all_minutes"] = round(timings["total"] / 60, 2)
@@ -364,8 +385,12 @@ def main(argv: list[str] | None = None) -> None:
         line["cpu_train_speedup_vs_standard"] = {m: round(r["speedup"], 3) for m, r in train["methods"].items()}
     if planning:
         line["global_planning"] = bench_loader.global_planning_summary(planning)
+    if composition:
+        line["composition"] = composition["json"]
     if latency:
         line["planner_latency_cpu_ms"] = {k: round(v, 2) for k, v in latency_summary(latency).items()}
+        line["stratified_vs_cost_order_plan_ratio"] = {k: round(v["ratio_median"], 3)
+                                                        for k, v in latency["global_mix"].items()}
     if mllm:
         line["mllm_imbalance_full_4"] = {p: round(v, 3) for p, v in mllm["real"]["full"]["imbalance"].items()}
     print(json.dumps(line))

@@ -56,15 +56,19 @@ def test_chunks_cover_the_epoch_and_the_last_drains():
 def test_matching_sizes_accumulation_from_the_dry_run():
     from evenflow.demo.plan import match_arms
     from evenflow.planning import GroupingConfig
-    from evenflow.sim import evenflow_schedule
+    from evenflow.sim import global_schedule
 
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5.5, 1.0, 400).astype(np.int64), 8, 1024)
     lengths[0] = 1024
     cfg = DemoConfig(train_samples=400, cutoff=1024, token_budget=1024)
     m = match_arms(cfg, lengths, loss_tokens=lengths // 2)
-    steps = evenflow_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=1024)).num_steps
-    assert m.evenflow_steps == steps and m.fixed_batch_size == 1
+    # the loader's defaults at 2 ranks resolve to global planning: the dry run plans with it
+    steps = global_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=1024)).num_steps
+    assert m.planning == "global" and m.evenflow_steps == steps and m.fixed_batch_size == 1
+    # every arm's planned composition is reported; random fixed batches are as mixed as random (H_g ~ 1)
+    assert set(m.composition) == {"evenflow", "evenflow_no_lr_rule", "evenflow_summed", "fixed", "group_by_length"}
+    assert 0.6 < m.composition["fixed"]["H_g"] < 1.5 and m.composition["group_by_length"]["H_g"] > 2
     assert m.accumulation == max(1, round(400 / steps / 2))
     assert m.fixed_steps == -(-200 // m.accumulation)
     assert m.reference_tokens == round(int((lengths // 2).sum()) / steps)
@@ -155,14 +159,18 @@ def test_table_states_goals_and_time_model():
     from evenflow.demo.report import add_time_to_target, summarize_arm, verdict
 
     rec = {"samples": 1, "real": 10, "padded": 10, "cpu_s": 0.1, "loss_tokens": 1, "loss_sum": 1.0}
-    arms = {name: summarize_arm(_raw([_chunk(2, 1.0, h1), _chunk(2, 1.0, h2)], [[rec] * 4, [rec] * 4]), 6.0)
+    mix = {"fixed": {"H": 1.0, "H_g": 0.98, "late": 0.26, "q_cv": 0.05},
+           "evenflow": {"H": 0.5, "H_g": 0.71, "late": 0.24, "q_cv": 0.02}}
+    arms = {name: {**summarize_arm(_raw([_chunk(2, 1.0, h1), _chunk(2, 1.0, h2)], [[rec] * 4, [rec] * 4]), 6.0),
+                   "composition": mix[name]}
             for name, h1, h2 in (("fixed", 5.0, 4.5), ("evenflow", 4.8, 4.52))}
     add_time_to_target(arms)
     v = verdict(arms, load={"cores": 2, "load1_during": [2.0]}, world_size=2)
     text = format_table(arms, v, batch_size=1, accumulation=4, lr_text="square-root scaling ...")
     for phrase in ("samples/s (median)", "held-out loss / token", "time to target (s)", "never",
                    "than fixed batching (median of 2 ABBA-interleaved rounds", "goal within 0.03: met",
-                   "time to quality: evenflow never reached", "time model:", "x 4 accumulation"):
+                   "time to quality: evenflow never reached", "time model:", "x 4 accumulation",
+                   "step mix H_g (<= 1: mixed)", "0.71", "longest tenth in last 1/4", "step composition (planned"):
         assert phrase in text, phrase
 
 

@@ -82,7 +82,7 @@ def run_demo(config: DemoConfig, out_dir: str | os.PathLike[str], *, progress: b
     matching = match_arms(config, lengths, data.loss_tokens)
     echo(f"  lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}, "
          f"CV {lengths.std() / lengths.mean():.2f}; vocabulary remapped 151,669 -> {data.vocab_size} ids")
-    echo(f"  dry run (planners only): evenflow takes {matching.evenflow_steps} optimizer steps of "
+    echo(f"  dry run (planners only, planning={matching.planning!r} as the loader's defaults resolve): evenflow takes {matching.evenflow_steps} optimizer steps of "
          f"{matching.evenflow_samples_per_step:.1f} samples; fixed arms: batch {matching.fixed_batch_size} per rank "
          f"(largest whose batches of the longest sample fit {config.token_budget} tokens) x {matching.accumulation} "
          f"accumulation = {matching.fixed_steps} optimizer steps; {config.world_size} gloo ranks, "
@@ -96,7 +96,8 @@ def run_demo(config: DemoConfig, out_dir: str | os.PathLike[str], *, progress: b
         with open(result_path, encoding="utf-8") as f:
             raw = json.load(f)
 
-    arms = {name: summarize_arm(raw["arms"][name], raw["initial_heldout"]) for name in config.arms}
+    arms = {name: {**summarize_arm(raw["arms"][name], raw["initial_heldout"]),
+                   "composition": matching.composition[name]} for name in config.arms}
     target = add_time_to_target(arms)
     env["load_after"] = list(os.getloadavg())
     load = {"cores": env["cores"], "load1_during": [x for a in arms.values() for x in a["load1_per_round"]]}

@@ -105,11 +105,7 @@ def _fixed_windows(loader: DataLoader, accumulation: int) -> Iterator[Window]:
 def _evenflow_windows(data: DemoData, config: DemoConfig, *, cost: str) -> Iterator[Window]:
     loader = DynamicBatchLoader(data.train, token_budget=config.token_budget, num_workers=config.num_workers,
                                 seed=config.seed, shuffle=True, pad_token_id=PAD_ID, cost=cost,
-                                buffer_size=config.buffer_size,
-                                # Pinned, not the library's default (global at 2 ranks): at matched steps
-                                # global planning's more length-homogeneous steps trained worse here (replay:
-                                # 6 of 8 seeds; NOTE [ The default planning policy ]).
-                                planning="local",
+                                **({"buffer_size": config.buffer_size} if config.buffer_size else {}),
                                 timeout=timedelta(seconds=config.timeout_s))
     try:
         for batch in loader:

@@ -51,14 +51,10 @@ class DemoConfig:
     trains without it, to show what it does; the fixed arms (``fixed``, ``group_by_length``) train without it
     too: their steps hold a fixed number of samples, and the rule made the fixed arm worse (held-out 5.397
     with it, 5.316 without, in a single-process replay of the demo's steps)."""
-    buffer_size: int = 128
-    """The evenflow arms' ``DynamicBatchLoader(buffer_size=)``, per rank (the library default is 4,096).
-
-    Why not the default: a buffer that holds the whole 500-sample shard groups each length with its
-    neighbours, so most steps hold 2-4 long chats or 40+ short ones and the epoch's order follows the
-    planner's "fullest group first" choice. At matched optimizer steps that costs quality: held-out 5.461 at
-    4,096 vs 5.339 at 128 and 5.316 for the fixed arm (replay, no LR rule), for 0.978 vs 0.940 padded
-    efficiency (119 vs 123 steps). The matching dry run plans with the same buffer."""
+    buffer_size: int | None = None
+    """The evenflow arms' ``DynamicBatchLoader(buffer_size=)``, per rank; ``None``: the library's default (4,096),
+    which the demo uses since the default plans mixed, unordered steps (issue 18; the demo pinned 128 before,
+    when a buffer holding a whole shard made steps length-homogeneous and ordered like a curriculum)."""
     warmup_fraction: float = 0.05
     """Linear warm-up over this fraction of each arm's optimizer steps, then cosine decay."""
     final_lr_fraction: float = 0.1
@@ -75,8 +71,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         positive = ("train_samples", "heldout_samples", "cutoff", "token_budget", "world_size", "vocab_size",
-                    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "rounds",
-                    "buffer_size")
+                    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "rounds")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -84,6 +79,9 @@ class DemoConfig:
         if self.token_budget < self.cutoff:
             raise ValueError(f"token_budget={self.token_budget} is below cutoff={self.cutoff}: a sample at the "
                              "cutoff would not fit in any batch; raise the budget or lower the cutoff")
+        if self.buffer_size is not None and (isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int)
+                                             or self.buffer_size <= 0):
+            raise ValueError(f"buffer_size must be a positive integer or None, got {self.buffer_size!r}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
                              f"and num_heads by num_kv_heads ({self.num_kv_heads})")

@@ -8,8 +8,10 @@
 - global_policy.py -- global planning: every round one plan over the union of all ranks' buffers
 - timefit.py    -- the planner's time cost, fitted on its own calibration split (never the scorer's numbers)
 - datasets.py   -- real lengths (chitchat through the Qwen3 template) and paper-matched distributions
+- composition.py -- what the steps are made of: length mix (H, H_g) and order (late, q_cv) against random batches
 """
 
+from .composition import step_composition
 from .costs import CostModel, Layout, PhaseCost, rank_costs
 from .global_policy import global_schedule
 from .policies import balanced_schedule, evenflow_schedule, shard
@@ -19,5 +21,5 @@ from .timefit import fit_time_cost
 
 __all__ = [
     "CostModel", "Layout", "PhaseCost", "rank_costs", "Schedule", "SimResult", "as_lengths", "simulate",
-    "evenflow_schedule", "balanced_schedule", "shard", "global_schedule", "fit_time_cost",
+    "evenflow_schedule", "balanced_schedule", "shard", "global_schedule", "fit_time_cost", "step_composition",
 ]
