@@ -31,6 +31,7 @@ import torch
 
 from ..planning.alignment import NO_VALUE, SLOT_WIDTH, RankPlanner, RankReport, RoundDecision, decide_round
 from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
+from .collate_extras import MissingKeyError
 from .comm import MetadataExchange
 from .faults import PeerError, PeerStopped, decode_detail, encode_detail, sample_of
 from .step_info import STEP_INFO_KEY, StepInfo
@@ -437,7 +438,9 @@ class EpochPipeline(threading.Thread):
                                 "batch, so collate_fn must return a dict (e.g. {'input_ids': ..., 'labels': ...})")
             return batch
         except Exception as exc:  # reported in the next round's exchange 1
-            self._fail(exc, keys[0] if keys else None)
+            # A default collate's MissingKeyError names the sample by its position in the batch.
+            at = exc.position if isinstance(exc, MissingKeyError) and 0 <= exc.position < len(keys) else 0
+            self._fail(exc, keys[at] if keys else None)
             self.pending = []
             return None
 
