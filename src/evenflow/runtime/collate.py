@@ -19,10 +19,27 @@ import torch
 from ..planning.loss import IGNORE_INDEX
 from .collate_extras import ROW_KEYS, collate_extras
 
-__all__ = ["PadCollate", "FlatCollate", "ROW_KEYS"]
+__all__ = ["PadCollate", "FlatCollate", "ROW_KEYS", "TOKEN_ALIGNED_KEYS"]
 
-_TOKEN_KEYS = ("input_ids", "labels", "attention_mask")
+TOKEN_ALIGNED_KEYS = ("mm_token_type_ids", "token_type_ids")
+"""Per-token keys laid out like ``input_ids`` (padded / flattened with 0; a sample without one: all 0, i.e. text
+tokens -- Qwen2-VL's ``mm_token_type_ids`` is 0 text, 1 image, 2 video)."""
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask") + TOKEN_ALIGNED_KEYS
 _FLAT_KEYS = _TOKEN_KEYS + ("position_ids",)  # FlatCollate builds the packed row's own
+
+
+def _aligned(samples: Sequence[Mapping], lengths: Sequence[int]) -> dict[str, list[torch.Tensor]]:
+    """Each token-aligned key present on some sample, as one 1-D tensor per sample (zeros where absent)."""
+    out = {}
+    for key in TOKEN_ALIGNED_KEYS:
+        if any(key in s for s in samples):
+            out[key] = [_as_long(s[key]).reshape(-1) if key in s else torch.zeros(n, dtype=torch.long)
+                        for s, n in zip(samples, lengths)]
+            for i, (t, n) in enumerate(zip(out[key], lengths)):
+                if len(t) != n:
+                    raise ValueError(f"sample {i} of the batch: {key!r} has {len(t)} entries but 'input_ids' has "
+                                     f"{n}; a per-token key must align with the tokens")
+    return out
 
 
 def _as_long(x) -> torch.Tensor:
@@ -63,6 +80,10 @@ class PadCollate:
             lab = _as_long(s["labels"]).reshape(-1) if "labels" in s else ids[row]
             labels[row, :len(lab)] = lab
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+        for key, values in _aligned(samples, [len(x) for x in ids]).items():
+            out[key] = torch.zeros((len(ids), width), dtype=torch.long)
+            for row, v in enumerate(values):
+                out[key][row, :len(v)] = v
         out.update(collate_extras(samples, _TOKEN_KEYS, self.row_keys))
         return out
 
@@ -113,6 +134,7 @@ class FlatCollate:
             lab[0] = IGNORE_INDEX
             labels.append(lab)
         lengths = [len(x) for x in ids]
+        aligned = _aligned(samples, lengths)
         positions = [torch.arange(n, dtype=torch.long) for n in lengths]
         total = sum(lengths)
         pad = 0
@@ -125,6 +147,8 @@ class FlatCollate:
             labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
             positions.append(torch.arange(pad, dtype=torch.long))
             lengths.append(pad)
+            for values in aligned.values():
+                values.append(torch.zeros(pad, dtype=torch.long))
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
         longest = max(lengths)
@@ -137,6 +161,7 @@ class FlatCollate:
             "max_length_q": longest,
             "max_length_k": longest,
         }
+        out.update({key: torch.cat(values)[None] for key, values in aligned.items()})
         if self.use_cache is not None:
             out["use_cache"] = self.use_cache
         out.update(collate_extras(samples, _FLAT_KEYS, self.row_keys))
