@@ -32,6 +32,7 @@ from .loader_state import STATE_VERSION, _check_saved_by, _fingerprint, _validat
 from .loader_stream import _carried, _continued, _fetch_error, _Keyed, _Numbered
 from .planning import PlanningChoice, setup_planning
 from .resume import key_order
+from .shard_check import content_print
 from .source import StreamOptions, Streams, shard_indices
 from .step_info import StepInfo, UsageCheck, UsageTracker
 
@@ -175,6 +176,7 @@ class DynamicBatchLoader:
         self._init_state()
         self.dropped: list = []
         """Keys removed under ``oversize="drop"`` (also logged and warned)."""
+        self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
         self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
 
     def _init_state(self) -> None:
@@ -377,11 +379,18 @@ class DynamicBatchLoader:
 
     def _report_fields(self) -> dict:
         try:
-            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset))
+            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset), self._content_print())
         except Exception:  # noqa: BLE001 - len() failing is reported by _open_stream in the same round
             kind = "len() failed"
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
                     host=_HOST)
+
+    def _content_print(self) -> tuple:
+        """A few items' lengths and head tokens, equal on every rank iff the ranks hold the same dataset (NOTE
+        [ Sharding mistakes ] in shard_check.py); read once per loader, only when there are peers to compare."""
+        if self._content is None:
+            self._content = content_print(self.dataset, self.spec.length_fn) if self.world_size > 1 else ()
+        return self._content
 
     def _on_yield(self, release: Release) -> None:
         info: StepInfo = release.info
