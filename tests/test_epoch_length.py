@@ -155,3 +155,38 @@ def test_hf_trainer_knows_the_exact_optimizer_steps_before_step_0(tmp_path):
         assert seen["max_steps_at_start"] == seen["global_step"] == len(seen["lrs"])
         assert seen["lrs"][-1] == 0.0 and seen["lrs"][-2] > 0.0  # the linear schedule ends exactly at the end
         assert not seen["warned_bound"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs the 'lightning' extra")
+def test_lightning_schedule_sized_by_the_planned_optimizer_steps(tmp_path):
+    """The datamodule's planned optimizer steps equal the steps Lightning takes (2 epochs, accumulation 3), and
+    a OneCycle schedule sized by them ends exactly at the last step (it raises if stepped past its total)."""
+    import lightning as L
+
+    from evenflow.integrations.lightning import DynamicBatchDataModule, EvenflowModule, training_loss
+
+    lengths = _lengths(90) // 8 + 2
+
+    class Module(EvenflowModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(N, 8)
+
+        def training_step(self, batch, batch_idx):
+            info = evenflow.pop_step_info(batch)
+            loss = self.emb(batch["input_ids"]).pow(2).mean()
+            return training_loss(loss, info, self.trainer)
+
+        def configure_optimizers(self):
+            self.total = self.trainer.datamodule.planned_optimizer_steps(self.trainer.max_epochs)
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.total)
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    dm = DynamicBatchDataModule(_Ids(lengths), token_budget=160, buffer_size=16, lengths=lengths)
+    module = Module()
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=3, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=dm)
+    assert module.total == trainer.global_step > 0
