@@ -44,14 +44,12 @@ NOTE [ Termination ]
 from __future__ import annotations
 
 import hashlib
-import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .grouping import GroupingConfig, check_oversize, padded_length, plan
+from .grouping import GroupingConfig, check_oversize, padded_length, plan, report_once
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -71,7 +69,6 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-logger = logging.getLogger("evenflow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,9 +342,8 @@ class RankPlanner:
             if self.grouping.oversize == "drop":
                 self.dropped.append(key)
                 reason = message.split(";")[0]
-                note = f"evenflow dropped 1 over-budget sample(s) [{key!r}] (oversize='drop'): {reason}"
-                logger.warning(note)
-                warnings.warn(note, stacklevel=2)
+                report_once(f"evenflow dropped 1 over-budget sample(s) [{key!r}] (oversize='drop'): {reason}",
+                            stacklevel=2)
                 return False
             self.alone.append(key)
         self.buffer.append(Item(key, int(length), int(loss_tokens), extra, self._next_seq, self.rounds))

@@ -183,7 +183,7 @@ class DynamicBatchLoader:
         self.idle_sample = idle_sample
         self._init_state()
         self.dropped: list = []
-        """Keys removed under ``oversize="drop"`` (also logged and warned)."""
+        """Keys removed under ``oversize="drop"`` (each also warned once)."""
         self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
         self._plan_lengths = None if lengths is None else self._check_lengths(lengths)
         self._planned: dict[int, int] = {}  # epoch -> planned steps (NOTE [ The planned epoch length ])
