@@ -15,7 +15,7 @@ NOTE [ Sharding mistakes ]
       ``data`` field, which every rank must agree on (evenflow.planning.alignment): a double split is refused on
       every rank in the first round. Cost: ``2 x PICKS`` ``__getitem__`` calls in the main process.
     - Iterable: :func:`stream_print` digests the lengths and head tokens of the first ``PICKS`` samples a rank
-      buffered; sent once per epoch in the first round's report (``RankReport.stream``). All ranks equal (and more
+      buffered (at least ``MIN_STREAM``: a stream of 1-3 samples is not compared, their lengths could coincide); sent once per epoch in the first round's report (``RankReport.stream``). All ranks equal (and more
       than one rank) means identical streams: refused on every rank in the first round. Cost: none beyond
       hashing a few short token prefixes.
 """
@@ -30,12 +30,14 @@ import torch
 
 from ..planning.alignment import NO_VALUE, config_fingerprint
 
-__all__ = ["PICKS", "HEAD_TOKENS", "content_print", "stream_print"]
+__all__ = ["PICKS", "HEAD_TOKENS", "MIN_STREAM", "content_print", "stream_print"]
 
 PICKS = 8
 """Items read (twice) for a map-style dataset's content fingerprint; samples digested for a stream's."""
 HEAD_TOKENS = 16
 """Leading token ids of each picked item that enter its digest."""
+MIN_STREAM = 4
+"""Fewest buffered samples a stream fingerprint is taken from (fewer: not compared)."""
 
 
 def _signature(sample: object, length_fn: Callable | None) -> tuple[int, int] | None:
@@ -68,8 +70,9 @@ def content_print(dataset: Sequence, length_fn: Callable | None) -> tuple:
 
 
 def stream_print(samples: Sequence[object]) -> int:
-    """Fingerprint of a rank's first buffered samples (lengths and head tokens); NO_VALUE when there are none."""
+    """Fingerprint of a rank's first buffered samples (lengths and head tokens); NO_VALUE with fewer than
+    ``MIN_STREAM`` (a short stream's few samples could coincide across ranks by chance)."""
     signatures = [_signature(s, None) for s in samples[:PICKS]]
-    if not signatures or any(s is None for s in signatures):
+    if len(signatures) < MIN_STREAM or any(s is None for s in signatures):
         return NO_VALUE
     return config_fingerprint(tuple(signatures))
