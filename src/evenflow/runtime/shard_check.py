@@ -72,7 +72,10 @@ def content_print(dataset: Sequence, length_fn: Callable | None) -> tuple:
 def stream_print(samples: Sequence[object]) -> int:
     """Fingerprint of a rank's first buffered samples (lengths and head tokens); NO_VALUE with fewer than
     ``MIN_STREAM`` (a short stream's few samples could coincide across ranks by chance)."""
-    signatures = [_signature(s, None) for s in samples[:PICKS]]
+    try:  # runs inside the round's report: it must never raise (a peer would wait for this rank)
+        signatures = [_signature(s, None) for s in samples[:PICKS]]
+    except Exception:  # noqa: BLE001 - an odd sample is measured (and reported) by the loader itself
+        return NO_VALUE
     if len(signatures) < MIN_STREAM or any(s is None for s in signatures):
         return NO_VALUE
     return config_fingerprint(tuple(signatures))
