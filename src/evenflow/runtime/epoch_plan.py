@@ -11,8 +11,10 @@ NOTE [ The planned epoch length ]
     -- instead of the upper bound ``ceil(N / W)`` (100 for a 25-step epoch) that tightens only as lengths arrive.
 
     Where the lengths come from (:func:`dataset_lengths`): a column the user has (``lengths=ds["length"]``), an
-    HF ``datasets.Dataset``'s ``input_ids`` column read from its Arrow offsets (no token is read: ~10 ms per
-    million rows), or one pass of ``__getitem__`` over the dataset (the whole pipeline once: use a column when
+    HF ``datasets.Dataset``'s ``input_ids`` column read from its Arrow offsets in batches of rows (no token is
+    converted to Python: 13 ms for 200,000 rows; a dataset with an indices mapping -- shuffled or filtered, as
+    TRL's preparation leaves it -- copies each batch once: 2.9 s for 200,000 rows of ~200 tokens, measured on the
+    2-core development machine under load), or one pass of ``__getitem__`` over the dataset (the whole pipeline once: use a column when
     the pipeline is costly). They must be what the loader measures (``length_fn``, default ``len(input_ids)``):
     every batch checks the sum of its samples' given lengths against the measured one and raises on a mismatch,
     naming the samples (a wrong count would end HF's epoch early or leave its LR schedule unfinished).
@@ -110,8 +112,12 @@ def dataset_lengths(dataset: Sequence, length_fn=None) -> np.ndarray:
     if length_fn is None and is_hf_dataset(dataset) and "input_ids" in dataset.column_names:
         import pyarrow.compute as pc
 
-        column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
-        return np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), dtype=np.int64)
+        # Batches of rows as Arrow tables: slices of the memory-mapped file (copies only under an indices
+        # mapping, e.g. after shuffle/filter), so memory stays bounded by one batch.
+        table = dataset.select_columns(["input_ids"]).with_format("arrow")
+        parts = [pc.list_value_length(batch["input_ids"]).to_numpy(zero_copy_only=False)
+                 for batch in table.iter(batch_size=65_536)]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
     out = np.empty(len(dataset), dtype=np.int64)
     for i in range(len(dataset)):
         sample = dataset[i]
