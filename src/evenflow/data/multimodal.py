@@ -15,6 +15,23 @@ present (0 when absent), so ``DynamicBatchLoader(..., extra_budgets={"num_patche
 budgets them directly. Layout of an ``audio`` sample (tokens abridged, ``A`` = ``AUDIO_PAD_ID``)::
 
     <|im_start|> user \\n A A A ... A <|im_end|> \\n <|im_start|> assistant \\n fine thanks <|im_end|> \\n
+
+NOTE [ The HF layout of multimodal samples ]
+    ``layout="hf"`` gives each sample only the keys of the media it has, in the form HF multimodal models take
+    them, so :class:`evenflow.PadCollate` batches any mix of kinds into what the model's forward consumes
+    (NOTE [ Extra keys in the default collates ] in evenflow.runtime.collate_extras):
+
+    - image: ``pixel_values`` ``[num_patches, 1176]`` and ``image_grid_thw`` ``[1, 3]`` (Qwen2-VL; the batch
+      concatenates them over images), placeholders ``<|vision_start|> <|image_pad|> x n <|vision_end|>``;
+    - audio: ``input_features`` ``[80, frames]`` (the Whisper feature-extractor layout; the batch pads clips and
+      adds ``feature_attention_mask``), placeholders as Qwen2.5-Omni writes them: ``AUDIO_BOS_ID``,
+      ``OMNI_AUDIO_ID`` x ``frames // 4`` (its audio encoder's output length for a multiple of 4 frames),
+      ``AUDIO_EOS_ID`` -- ids of the Qwen2 vocabulary Qwen3 shares;
+    - text-only: neither. ``mm_token_type_ids`` (Qwen2-VL's per-token modality: 1 on image tokens, else 0),
+      ``num_patches`` / ``num_frames`` (0 when absent) and ``kind`` are on every sample.
+
+    A tiny ``Qwen2_5OmniThinkerForConditionalGeneration`` built from its config trains on such batches
+    (tests/test_multimodal_hf.py).
 """
 
 from __future__ import annotations
@@ -32,7 +49,8 @@ from .chat import Message, QwenChatTokenizer
 from .images import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, IMAGE_PLACEHOLDER, expand_placeholder, process_image,
                      skimage_image_paths)
 
-__all__ = ["MediaMix", "MultimodalChatDataset", "MediaCollate", "KINDS", "PATCH_DIM", "media_profile"]
+__all__ = ["MediaMix", "MultimodalChatDataset", "MediaCollate", "KINDS", "PATCH_DIM", "media_profile",
+           "OMNI_AUDIO_ID", "AUDIO_BOS_ID", "AUDIO_EOS_ID"]
 
 KINDS = ("text", "image", "audio", "both")
 """Sample kinds; ``sample["kind"]`` is an index into this tuple."""
@@ -41,6 +59,12 @@ PATCH_DIM = 3 * 2 * 14 * 14
 _AUDIO_MARKER = "<|video_pad|>"
 """A Qwen3 token that chitchat text never contains, written where the audio goes and then expanded to
 ``AUDIO_PAD_ID`` x tokens (the vocabulary has no audio token of its own)."""
+OMNI_AUDIO_ID = 151_646
+"""``<|AUDIO|>`` of Qwen2.5-Omni (``audio_token_index``): the audio placeholder of ``layout="hf"`` samples."""
+AUDIO_BOS_ID = 151_647
+"""``<|audio_bos|>`` of Qwen2.5-Omni (``audio_start_token_id``)."""
+AUDIO_EOS_ID = 151_648
+"""``<|audio_eos|>`` of Qwen2.5-Omni (``audio_end_token_id``)."""
 _KIND_SALT = 0x4D49
 """Separates the kind draw from the image-rescale draw, which is seeded by the same ``(seed, index)``."""
 
@@ -73,6 +97,8 @@ class MultimodalChatDataset(torch.utils.data.Dataset):
     Item keys: ``input_ids``, ``labels`` (LongTensor[n]); ``pixel_values`` (float32 ``[num_patches, 1176]``,
     zero rows without an image); ``audio_features`` (float32 ``[num_frames, 80]``); ints ``num_patches``,
     ``num_frames``, ``num_image_tokens``, ``num_audio_tokens`` and ``kind`` (index into :data:`KINDS`).
+    ``layout="hf"``: only the media keys a sample has, in the form HF models take (NOTE [ The HF layout of
+    multimodal samples ]).
     """
 
     def __init__(self, conversations: Sequence[Sequence[Message]], *, num_samples: int | None = None,
@@ -80,7 +106,9 @@ class MultimodalChatDataset(torch.utils.data.Dataset):
                  image_paths: Sequence[str | os.PathLike[str]] | None = None,
                  scale_range: tuple[float, float] = (0.35, 1.0), min_pixels: int = DEFAULT_MIN_PIXELS,
                  max_pixels: int = DEFAULT_MAX_PIXELS, max_frames: int = 3000, cutoff: int | None = None,
-                 voice: str = "en", seed: int = 0) -> None:
+                 voice: str = "en", seed: int = 0, layout: str = "rows") -> None:
+        if layout not in ("rows", "hf"):
+            raise ValueError(f"layout must be 'rows' or 'hf', got {layout!r}")
         if not conversations:
             raise ValueError("conversations is empty: every sample needs a chat exchange")
         if not 0 < scale_range[0] <= scale_range[1]:
@@ -101,6 +129,7 @@ class MultimodalChatDataset(torch.utils.data.Dataset):
         self.cutoff = cutoff
         self.voice = voice
         self.seed = seed
+        self.layout = layout
 
     def __len__(self) -> int:
         return self.num_samples
@@ -129,18 +158,34 @@ class MultimodalChatDataset(torch.utils.data.Dataset):
             ids, labels, at = expand_placeholder(ids, labels, self.tokenizer.token_id("<|image_pad|>"), n_img)
             media_end = max(media_end, at + n_img)
         frames, n_aud = np.zeros((0, N_MELS), np.float32), 0
+        grid = np.zeros((0, 3), np.int64) if not has_image else image.grid
+        hf = self.layout == "hf"
         if has_audio:
             frames = speech_features(spoken, voice=self.voice, max_frames=self.max_frames)
             n_aud = frames.shape[0] // AUDIO_FRAME_STRIDE
-            ids, labels, at = expand_placeholder(ids, labels, self.tokenizer.token_id(_AUDIO_MARKER), n_aud,
-                                                 new_id=AUDIO_PAD_ID)
-            media_end = max(media_end, at + n_aud)
+            # hf: <|audio_bos|> <|AUDIO|> x n <|audio_eos|> (Qwen2.5-Omni); rows: AUDIO_PAD_ID x n.
+            ids, labels, at = expand_placeholder(ids, labels, self.tokenizer.token_id(_AUDIO_MARKER),
+                                                 n_aud + 2 * hf, new_id=OMNI_AUDIO_ID if hf else AUDIO_PAD_ID)
+            if hf:
+                ids[at], ids[at + n_aud + 1] = AUDIO_BOS_ID, AUDIO_EOS_ID
+            media_end = max(media_end, at + n_aud + 2 * hf)
         if self.cutoff is not None and len(ids) > self.cutoff:
             if media_end + 1 > self.cutoff:
                 raise ValueError(f"sample {index} ({kind}): its media need {media_end} tokens, beyond cutoff="
                                  f"{self.cutoff}; cutting inside an image or a clip would break it -- lower "
                                  f"max_pixels ({self.max_pixels}) / max_frames ({self.max_frames}) or raise cutoff")
             ids, labels = ids[:self.cutoff], labels[:self.cutoff]
+        counts = {"num_patches": int(pixels.shape[0]), "num_frames": int(frames.shape[0]),
+                  "num_image_tokens": n_img, "num_audio_tokens": n_aud, "kind": KINDS.index(kind)}
+        if hf:  # NOTE [ The HF layout of multimodal samples ]
+            kinds = (ids == self.tokenizer.token_id("<|image_pad|>")).astype(np.int64)  # 0 text, 1 image
+            sample = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                      "mm_token_type_ids": torch.from_numpy(kinds), **counts}
+            if has_image:
+                sample.update(pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid))
+            if has_audio:
+                sample["input_features"] = torch.from_numpy(np.ascontiguousarray(frames.T))
+            return sample
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "pixel_values": torch.from_numpy(pixels), "audio_features": torch.from_numpy(frames),
                 "num_patches": int(pixels.shape[0]), "num_frames": int(frames.shape[0]),

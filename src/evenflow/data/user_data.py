@@ -50,13 +50,27 @@ def load_records(path: str | Path) -> list[dict]:
         return pq.read_table(str(path)).to_pylist()
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    data = json.loads(text)
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):  # editors count lines from 1
+            if line.strip():
+                records.append(_parse(line, path, number))
+        return records
+    data = _parse(text, path, None)
     if isinstance(data, Mapping):
         data = data.get("data", data.get("train"))
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of records (or {{'data': [...]}})")
     return data
+
+
+def _parse(text: str, path: Path, line: int | None) -> object:
+    """``json.loads`` whose error names the file and the line an editor shows (``line``: a JSONL line number)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"{path}:{line}" if line is not None else f"{path}:{exc.lineno}"
+        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix or remove that "
+                         f"{'line' if line is not None else 'part'} of the file") from None
 
 
 def _message_list(value: object) -> list[dict] | None:

@@ -21,9 +21,14 @@ NOTE [ HF Trainer contract ]
     ``num_items_in_batch = window_tokens / world_size``, so the HF contract "sum / num_items" yields the same
     scale. IDLE batches run the forward (DDP/FSDP collectives stay in step) and count exactly 0, never NaN.
 
-    Epoch length. HF sizes an epoch from ``len(dataloader)``; evenflow's is an upper bound. With
-    ``num_train_epochs`` (``max_steps <= 0``) the train loader reports the bound ``ceil(N / W)`` micro-batches per
-    epoch; with ``max_steps > 0`` it reports no length, and HF loops epochs until ``max_steps``. Either way an
+    Epoch length. HF sizes an epoch from ``len(dataloader)``. With ``num_train_epochs`` (``max_steps <= 0``) and
+    the samples' lengths known -- ``lengths=`` (a loader option), or taken automatically from an HF
+    ``datasets.Dataset``'s ``input_ids`` column (Arrow offsets; up to 1M samples) -- every epoch is planned
+    before it starts (NOTE [ The planned epoch length ] in evenflow.runtime.epoch_plan): the loader reports the
+    longest remaining epoch's micro-batches, ``state.max_steps`` is the run's exact optimizer steps from step 0,
+    and the LR scheduler's horizon is their sum (``create_scheduler``). Otherwise the loader reports the bound
+    ``ceil(N / W)`` micro-batches per epoch; with ``max_steps > 0`` it reports no length, and HF loops epochs
+    until ``max_steps``. Either way an
     epoch ends when the loader is exhausted: ``get_batch_samples`` sets ``control.should_epoch_stop`` on the
     first empty fetch. HF syncs gradients and steps the optimizer only every ``gradient_accumulation_steps``
     micro-batches, so an epoch's last, shorter window is completed with IDLE micro-batches (``loss_scale = 0``:
@@ -36,8 +41,9 @@ NOTE [ HF Trainer contract ]
     counter, owns the epoch number (HF's ``set_epoch`` is not forwarded; ``state.epoch`` is rewritten from the
     loader after every step).
 
-    LR schedule. Schedules that depend on the total (linear, cosine, ...) need ``max_steps`` to be exact: with
-    ``num_train_epochs`` the horizon HF computes is the upper bound, and a warning says so.
+    LR schedule. Schedules that depend on the total (linear, cosine, ...) are exact with planned epochs (above)
+    or ``max_steps``; otherwise the horizon HF computes is the upper bound, and a warning says so. A mid-epoch
+    resume re-forms the rest of that epoch's batches, so its remaining steps may differ from the plan by a few.
 
     Not used: ``per_device_train_batch_size`` (the token budget sizes batches), ``dataloader_drop_last`` (evenflow
     never drops), ``group_by_length`` / ``train_sampling_strategy`` (evenflow groups by realized length); the
@@ -196,16 +202,22 @@ class DynamicBatchTrainer(Trainer):
                 raise ValueError(f"num_train_epochs={epochs}: evenflow epochs are whole passes (each sample once); "
                                  "use an integer, or max_steps for a partial epoch")
             max_epochs = int(epochs)
-            schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
-            if schedule not in _HORIZON_FREE:
-                warnings.warn(f"lr_scheduler_type={schedule!r} with num_train_epochs: HF sets the schedule's horizon "
-                              "from len(train_dataloader), which for evenflow is an upper bound on the optimizer "
-                              "steps, so the schedule will not reach its end. Set max_steps for an exact schedule.",
-                              stacklevel=2)
+        options = self._loader_kwargs()
+        if epoch_mode and "lengths" not in options:
+            lengths = _auto_lengths(self.train_dataset, options, self.args.world_size)
+            if lengths is not None:
+                options["lengths"] = lengths  # NOTE [ The planned epoch length ]: len() and the horizon exact
         loader = DynamicBatchLoader(self.train_dataset, token_budget=self.token_budget,
-                                    grad_accum_steps=self.args.gradient_accumulation_steps, **self._loader_kwargs())
+                                    grad_accum_steps=self.args.gradient_accumulation_steps, **options)
         batches = TrainBatches(loader, accum=self.args.gradient_accumulation_steps, sized=epoch_mode,
                                 max_epochs=max_epochs)
+        schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        if epoch_mode and schedule not in _HORIZON_FREE and batches.planned_total() is None:
+            warnings.warn(f"lr_scheduler_type={schedule!r} with num_train_epochs: HF sets the schedule's horizon "
+                          "from len(train_dataloader), which for evenflow is an upper bound on the optimizer "
+                          "steps, so the schedule will not reach its end. Pass lengths= (each sample's length, e.g. "
+                          "a dataset column; NOTE [ The planned epoch length ]) for the exact count, or set max_steps.",
+                          stacklevel=2)
         if self._resume_dir is not None:
             path = os.path.join(self._resume_dir, LOADER_STATE_FILE.format(rank=loader.rank))
             if not os.path.isfile(path):
@@ -246,6 +258,17 @@ class DynamicBatchTrainer(Trainer):
         if self.lr_scaler is not None:
             self.lr_scaler.observe(infos[0].window_loss_tokens)  # the coming optimizer step's LR factor
         return batches, infos[0].window_loss_tokens
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """``Trainer.create_scheduler`` over the run's exact optimizer steps when the epochs are planned.
+
+        HF passes ``epochs x ceil(len(train_dataloader) / accumulation)``; evenflow epochs differ in length, so with
+        ``lengths=`` (or an HF dataset's own ``input_ids`` lengths) the horizon is the sum of every planned epoch's
+        windows instead (NOTE [ The planned epoch length ]).
+        """
+        batches = self.train_batches
+        total = batches.planned_total() if batches is not None and self.args.max_steps <= 0 else None
+        return super().create_scheduler(num_training_steps=total or num_training_steps, optimizer=optimizer)
 
     def create_optimizer(self, model=None):
         """``Trainer.create_optimizer``; with ``lr_scaling`` also attaches the token LR rule (evenflow.lr) to it.
@@ -403,6 +426,29 @@ def _user_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
+
+
+# Above this many samples an HF dataset's epochs are not planned automatically (the simulation costs ~2-30 us per
+# sample and epoch at train start); pass lengths= to plan them anyway.
+_AUTO_PLAN_LIMIT = 1_000_000
+
+
+def _auto_lengths(dataset, options: dict, world_size: int):
+    """An HF ``datasets.Dataset``'s ``input_ids`` lengths (Arrow offsets, no token read) when the loader can plan
+    its epochs from them (NOTE [ The planned epoch length ]), else None: ``len()`` stays the bound."""
+    from ..runtime.epoch_plan import dataset_lengths, is_hf_dataset, plan_coverage
+    from ..runtime.planning import default_planning_group, resolve_planning
+
+    if (not is_hf_dataset(dataset) or "input_ids" not in dataset.column_names or options.get("length_fn")
+            or options.get("extra_budgets") or len(dataset) > _AUTO_PLAN_LIMIT):
+        return None
+    group = options.get("planning_group")
+    planning = resolve_planning(options.get("planning", "auto"), world_size, balance=options.get("balance", False),
+                                planning_group=group)
+    if plan_coverage(join=options.get("join", True), oversize=options.get("oversize", "error"), world_size=world_size,
+                     planning=planning, group_size=group or default_planning_group(world_size), iterable=False):
+        return None
+    return dataset_lengths(dataset)
 
 
 def _mean_loss(outputs) -> torch.Tensor:

@@ -53,9 +53,28 @@ class TrainBatches:
         self._active = None   # the generator HF is consuming
         self._inner = None    # the loader's iterator while an epoch is in flight
 
+    def planned_windows(self, epoch: int, fresh: bool = False) -> int | None:
+        """Optimizer steps (windows) of ``epoch`` planned from the loader's ``lengths=``, or None (NOTE [ The
+        planned epoch length ]); ``fresh``: as run from its start even if it was resumed mid-way."""
+        steps = self.loader.fresh_planned_steps(epoch) if fresh else self.loader.planned_steps(epoch)
+        return None if steps is None else -(-steps // self.accum)
+
+    def planned_total(self) -> int | None:
+        """Optimizer steps of the whole run (every epoch from its start), or None: the LR schedule's horizon."""
+        if self.max_epochs is None:
+            return None
+        windows = [self.planned_windows(e, fresh=True) for e in range(self.max_epochs)]
+        return None if None in windows or not windows else sum(windows)
+
     def __len__(self) -> int:
         if not self.sized:
             raise TypeError("evenflow train loader: HF runs by max_steps, the epoch length is not known in advance")
+        if self.max_epochs is not None and self.epoch < self.max_epochs:
+            # Planned: the longest epoch still to run, in micro-batches (HF runs every epoch to this count at most
+            # and stops it on exhaustion; its LR horizon comes from planned_total, see create_scheduler).
+            windows = [self.planned_windows(e) for e in range(self.epoch, self.max_epochs)]
+            if None not in windows:
+                return max(windows) * self.accum
         n = len(self.loader.dataset)
         world = self.loader.world_size
         # Join mode: each rank with data contributes a sample to every step, so steps <= max shard = ceil(N/W),
@@ -151,12 +170,21 @@ class TrainBatches:
         """
         if not self.sized or self.max_epochs is None:
             return None
-        per_epoch = -(-len(self) // self.accum)
         info = self.last_info
         open_epoch = self._inner is not None and info is not None and info.epoch == self.epoch
-        left = -(-max(info.steps_bound - (info.step + 1), 0) // self.accum) if open_epoch else 0
-        ahead = self.max_epochs - self.epoch - (1 if open_epoch else 0)
-        return global_step + left + max(ahead, 0) * per_epoch
+        first_ahead = self.epoch + (1 if open_epoch else 0)
+        planned = [self.planned_windows(e) for e in range(first_ahead, self.max_epochs)]
+        if open_epoch:
+            current = self.planned_windows(self.epoch)
+            done = -(-(info.step + 1) // self.accum)
+            left = (current - done if current is not None else
+                    -(-max(info.steps_bound - (info.step + 1), 0) // self.accum))
+        else:
+            left = 0
+        if None in planned:
+            per_epoch = -(-len(self) // self.accum)
+            return global_step + max(left, 0) + len(planned) * per_epoch
+        return global_step + max(left, 0) + sum(planned)
 
     def state(self) -> dict:
         return {"version": _STATE_FILE_VERSION, "loader": self.loader.state_dict()}
@@ -183,6 +211,13 @@ class EpochCallback(TrainerCallback):
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer  # a DynamicBatchTrainer: reads its ``train_batches``
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        batches = self.trainer.train_batches
+        if batches is not None:
+            bound = batches.max_steps_bound(state.global_step)
+            if bound is not None:  # exact when the epochs are planned: the progress bar's total from step 0
+                state.max_steps = max(bound, state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         batches = self.trainer.train_batches

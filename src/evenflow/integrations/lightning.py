@@ -23,7 +23,9 @@ Written against lightning 2.6. How each Lightning mechanism is kept exact:
   which only reaches ``torch`` samplers) owns the epoch number. The train loader has no ``len()``: Lightning
   then ends the epoch when the loader is exhausted and validates there (given a length -- evenflow's is only an
   upper bound -- it would wait for a batch count that never comes and skip end-of-epoch validation). So
-  ``trainer.estimated_stepping_batches`` is infinite under ``max_epochs``: size LR schedules with ``max_steps``.
+  ``trainer.estimated_stepping_batches`` is infinite under ``max_epochs``: size LR schedules with
+  :meth:`DynamicBatchDataModule.planned_optimizer_steps` (exact, given the ``lengths=`` loader option) or
+  ``max_steps``.
 - Progress and ETA: the bound goes to the progress bar instead. :class:`EvenflowProgressBar` (a
   ``TQDMProgressBar``) sets its train total to each batch's ``StepInfo.steps_bound`` -- the loader's ``len()``
   as known at that step, identical on every rank, tightening as the epoch runs -- and to the exact count at the
@@ -182,6 +184,21 @@ class DynamicBatchDataModule(L.LightningDataModule):
         if stage in ("fit", "validate") and self.val_batches is None and self.val_dataset is not None:
             options = {k: v for k, v in self.loader_options.items() if k not in ("shuffle", "seed")}
             self.val_batches = _Batches(eval_loader(self.val_dataset, token_budget=self.val_token_budget, **options))
+
+    def planned_optimizer_steps(self, max_epochs: int) -> int | None:
+        """Optimizer steps of ``max_epochs`` epochs, planned from the ``lengths=`` loader option before training
+        (NOTE [ The planned epoch length ] in evenflow.runtime.epoch_plan); None without it. Lightning steps at
+        every ``accumulate_grad_batches`` batches and at each epoch's end: ``sum(ceil(batches / accum))``. Size LR
+        schedules with it in ``configure_optimizers`` (the datamodule is set up by then):
+        ``total = self.trainer.datamodule.planned_optimizer_steps(self.trainer.max_epochs)`` --
+        ``trainer.estimated_stepping_batches`` cannot know it (the train loader has no ``len()``, see above)."""
+        if self.train_batches is None:
+            raise RuntimeError("planned_optimizer_steps needs the datamodule set up (Lightning does it before "
+                               "configure_optimizers); call setup('fit') first when outside a Trainer")
+        loader = self.train_batches.loader
+        counts = [loader.fresh_planned_steps(e) for e in range(max_epochs)]
+        accum = loader.config.grad_accum_steps
+        return None if None in counts else sum(-(-c // accum) for c in counts)
 
     def train_dataloader(self):
         return self.train_batches

@@ -6,9 +6,9 @@
 
 Written against TRL 1.16. What SFTTrainer does is kept: its dataset preparation (chat template, tokenization,
 truncation to ``max_length``, the ``labels`` column it builds from ``assistant_masks`` / ``completion_mask``), its
-collator (``DataCollatorForLanguageModeling``, padding-free when ``padding_free=True``) as the loader's
-``collate_fn``, its loss (``compute_loss``, fused LM head) and its logged metrics (``mean_token_accuracy``,
-``entropy``, ``num_tokens``). What evenflow changes:
+collator (``DataCollatorForLanguageModeling``, padding-free when packing) as the loader's ``collate_fn``, its loss
+(``compute_loss``, fused LM head) and its logged metrics (``mean_token_accuracy``, ``entropy``, ``num_tokens``).
+What evenflow changes:
 
 - Batches come from :class:`evenflow.DynamicBatchLoader` over the *prepared* dataset, so the loader counts
   supervised tokens from the very ``labels`` TRL's preparation produced (the collator only pads them with -100).
@@ -16,9 +16,36 @@ collator (``DataCollatorForLanguageModeling``, padding-free when ``padding_free=
   under ``average_tokens_across_devices``); this class passes the evenflow window's global supervised tokens, which
   makes TRL's loss exactly ``mean * StepInfo.loss_scale`` (NOTE [ Loss scale ] in evenflow.planning.loss).
 - IDLE batches (and the IDLE micro-batches that complete an epoch's last window) run the forward with every label
-  ignored, so their loss is exactly 0 and they add nothing to ``mean_token_accuracy`` / ``entropy``;
-  ``num_tokens`` counts the real tokens of every rank from the StepInfo (TRL's own count would add IDLE tokens).
-- ``padding_free=True`` selects ``cost="summed"`` (the budget then counts tokens, not padded rows).
+  ignored, so their loss is exactly 0 (NOTE [ TRL metrics over real tokens ] for what they add to the metrics).
+
+NOTE [ Packing with TRL ]
+    evenflow packs: each micro-batch is one padding-free row of at most ``token_budget`` tokens (TRL's own
+    padding-free collator: ``position_ids`` restart per sequence, ``cu_seq_lens``, no cross-sequence attention),
+    formed online from the buffer -- what TRL's offline ``packing_strategy="bfd"`` makes, without cutting or
+    re-ordering anything offline. Any of the ways a TRL user asks for it selects it, each with ``cost="summed"``
+    (the budget counts the row's tokens, rounded up to ``pad_to_multiple_of`` as the collator pads it):
+
+    - ``SFTConfig(packing=True)`` (``packing_strategy="bfd"``, TRL's default): no offline packing;
+      ``max_length`` truncates each sample, as TRL's preparation does without packing. ``"bfd_split"`` (cuts a
+      long sample into pieces) and ``"wrapped"`` (cuts across samples) are refused: evenflow keeps samples whole.
+    - ``SFTConfig(padding_free=True)``: ``max_length`` keeps truncating each sample (TRL alone refuses
+      ``padding_free`` with ``max_length`` unless it packs offline; here the budget bounds the row).
+    - ``cost="summed"``: TRL's collator is built padding-free. A ``data_collator`` passed with ``cost="summed"``
+      must return one row; it is tried on two prepared samples at construction and refused if it pads rows
+      (a padded ``[3, 532]`` batch would hold 1,596 tokens under a 1,024-token budget).
+
+    ``trainer.args`` is then a copy with ``packing=False, padding_free=True``. ``cost="padded"`` with any of
+    them is refused (packed rows cost their summed tokens).
+
+NOTE [ TRL metrics over real tokens ]
+    TRL logs the mean over micro-batches of each micro-batch's ratio (entropy sum / supervised tokens of every
+    rank), 0.0 for a micro-batch without supervised tokens. With evenflow's budgeted micro-batches of very
+    different sizes, and the IDLE micro-batches that complete an epoch's last window, that mean is not the
+    per-token value. Here ``entropy`` and ``mean_token_accuracy`` are token-weighted over the logging interval:
+    sum over its micro-batches and ranks of the per-token values / their supervised tokens (the micro-batch's
+    ratio times its ``StepInfo.global_loss_tokens``, which is TRL's own count of supervised tokens), so IDLE
+    micro-batches add nothing. ``num_tokens`` counts the real tokens of every rank from the StepInfo (TRL's
+    count would add IDLE placeholders and padding). Eval metrics are TRL's.
 
 Masks (tests/test_trl.py checks every collated row position by position against them): TRL folds
 ``assistant_masks`` (``assistant_only_loss=True``) and ``completion_mask`` (prompt/completion data, with
@@ -35,10 +62,14 @@ order is fixed here (``DynamicBatchTrainer`` first): use this class rather than 
 
 from __future__ import annotations
 
+import copy
+import itertools
+from collections.abc import Mapping
 from typing import Any
 
 try:
     from trl import SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("evenflow.integrations.trl needs trl: pip install 'evenflow[trl]'") from exc
 
@@ -48,26 +79,46 @@ from .hf import DynamicBatchTrainer
 
 __all__ = ["DynamicBatchSFTTrainer"]
 
+# TRL's per-micro-batch ratios that evenflow re-weights by supervised tokens (NOTE [ TRL metrics over real tokens ]).
+_TOKEN_METRICS = ("entropy", "mean_token_accuracy")
+
 
 class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
     """``trl.SFTTrainer`` whose training batches come from :class:`evenflow.DynamicBatchLoader`.
 
     Takes every ``SFTTrainer`` argument plus ``token_budget`` and the other ``DynamicBatchLoader`` options (see
     :class:`~evenflow.integrations.hf.DynamicBatchTrainer`). TRL's collator (or the ``data_collator`` passed) is
-    the loader's ``collate_fn``. ``SFTConfig(packing=True)`` is refused: evenflow's budgeted batches replace TRL's
-    offline packing (use ``padding_free=True`` for packed rows without cross-sequence attention).
+    the loader's ``collate_fn``. ``SFTConfig(packing=True)``, ``padding_free=True`` or ``cost="summed"``: evenflow
+    packs each micro-batch into one padding-free row of at most ``token_budget`` tokens, ``max_length`` still
+    truncating each sample (NOTE [ Packing with TRL ]).
     """
 
     def __init__(self, *args: Any, token_budget: int, **kwargs: Any) -> None:
-        config = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if getattr(config, "packing", False):
-            raise ValueError("SFTConfig(packing=True) packs samples offline into fixed-length rows, which takes away "
-                             "what evenflow batches; set packing=False (and padding_free=True for varlen rows)")
-        if getattr(config, "padding_free", False):
-            kwargs.setdefault("cost", "summed")
+        config = kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None
+        collator = kwargs["data_collator"] if "data_collator" in kwargs else args[2] if len(args) > 2 else None
+        packed, trl_config, truncation = _packing_choice(config, kwargs.get("cost"), collator)
+        if packed:
+            kwargs["cost"] = "summed"
+        if isinstance(getattr(config, "pad_to_multiple_of", None), int):
+            # TRL's collator pads rows (or the packed row) to this multiple: the planner must cost that shape.
+            kwargs.setdefault("pad_to_multiple_of", config.pad_to_multiple_of)
+        if trl_config is not config:
+            if "args" in kwargs or len(args) < 2:
+                kwargs["args"] = trl_config
+            else:
+                args = (args[0], trl_config, *args[2:])
         super().__init__(*args, token_budget=token_budget, **kwargs)
         # TRL built its collator in __init__ (or kept the user's): it is the loader's collate_fn.
         self._user_collator = self.data_collator
+        if truncation is not None:
+            max_length, mode = truncation
+            self.args.max_length = max_length  # datasets TRL prepares later (evaluate) are truncated by TRL itself
+            self.train_dataset = _truncated(self.train_dataset, max_length, mode, self.args.dataset_num_proc)
+            self.eval_dataset = _truncated(self.eval_dataset, max_length, mode, self.args.dataset_num_proc)
+        if packed and collator is not None:
+            _check_one_row(self.data_collator, self.train_dataset)
+        self._token_sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
+        self._metric_tokens = 0
 
     def _model_input_names(self):
         # TRL's compute_loss filters nothing and adds its own kwargs (fused_lm_head, use_cache); its prepared
@@ -98,8 +149,107 @@ class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
             # Real tokens of every rank this step (identical on all ranks; IDLE placeholders excluded).
             self._total_train_tokens = tokens_before + info.global_real_tokens
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+            self._weigh_token_metrics(info.global_loss_tokens)
         if live:
             return result
         loss, *rest = result if return_outputs else (result,)
         loss = loss * 0.0
         return (loss, *rest) if return_outputs else loss
+
+    def _weigh_token_metrics(self, tokens: int) -> None:
+        """Take TRL's ratios of this micro-batch back out of its lists and add them weighted by ``tokens``, the
+        micro-batch's supervised tokens over all ranks (NOTE [ TRL metrics over real tokens ])."""
+        metrics = self._metrics["train"]
+        for name in _TOKEN_METRICS:
+            values = metrics.get(name)
+            if not values:
+                continue
+            ratio = values.pop()
+            if not values:
+                del metrics[name]  # TRL's log averages every list it holds: none may be left empty
+            self._token_sums[name] += ratio * tokens
+        self._metric_tokens += tokens
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with ``entropy`` / ``mean_token_accuracy`` token-weighted over the interval."""
+        if self.model.training and self._metric_tokens:
+            metrics = self._metrics["train"]
+            for name, total in self._token_sums.items():
+                metrics[name] = [total / self._metric_tokens]
+            self._token_sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
+            self._metric_tokens = 0
+        super().log(logs, start_time)
+
+
+def _packing_choice(config: Any, cost: str | None, collator: Any) -> tuple[bool, Any, tuple[int, str] | None]:
+    """``(packed, config for TRL, (max_length, truncation_mode) to apply after TRL's preparation or None)``.
+
+    NOTE [ Packing with TRL ]: packing / padding_free / cost="summed" all mean one padding-free row per micro-batch.
+    """
+    packing = bool(getattr(config, "packing", False))
+    padding_free = bool(getattr(config, "padding_free", False))
+    if packing and config.packing_strategy != "bfd":
+        raise ValueError(f"SFTConfig(packing_strategy={config.packing_strategy!r}) cuts samples into pieces, and "
+                         "evenflow keeps every sample whole (each trained exactly once); use packing_strategy='bfd' "
+                         "(evenflow then packs each micro-batch into one row of <= token_budget tokens, truncating "
+                         "samples to max_length) or split long samples in the dataset")
+    packed = packing or padding_free or cost == "summed"
+    if not packed:
+        return False, config, None
+    asked = "packing=True" if packing else "padding_free=True" if padding_free else None
+    if cost == "padded":
+        raise ValueError(f"SFTConfig({asked}) makes one padding-free row per micro-batch, which costs its summed "
+                         "tokens: drop cost='padded' (cost='summed' is selected)")
+    if collator is not None:
+        if asked:
+            raise ValueError(f"SFTConfig({asked}) builds TRL's padding-free collator, which a data_collator cannot "
+                             "replace (TRL's rule): drop data_collator, or pass cost='summed' with a collator that "
+                             "returns one flattened row")
+        return True, config, None  # the user's collator must flatten: tried at construction (_check_one_row)
+    if config is None:
+        raise ValueError("cost='summed' builds TRL's padding-free collator from the SFTConfig: pass "
+                         "args=SFTConfig(..., padding_free=True)")
+    trl_config = copy.copy(config)
+    trl_config.packing = False
+    trl_config.padding_free = True
+    truncation = None
+    if config.max_length is not None:
+        # TRL refuses padding_free with max_length unless it packs offline; evenflow's budget bounds the row, and
+        # each sample is truncated to max_length after TRL's preparation (as TRL would without packing).
+        trl_config.max_length = None
+        skip = (config.dataset_kwargs or {}).get("skip_prepare_dataset", False)
+        truncation = None if skip else (config.max_length, config.truncation_mode)
+    return True, trl_config, truncation
+
+
+def _truncated(dataset: Any, max_length: int, mode: str, num_proc: int | None) -> Any:
+    """TRL's own truncation of a prepared dataset (``input_ids`` / ``labels`` to ``max_length``, keep_start or
+    keep_end), then TRL's filter of samples left without a supervised token."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, Mapping):
+        return {name: _truncated(d, max_length, mode, num_proc) for name, d in dataset.items()}
+    if mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"Unsupported truncation mode: {mode}, expected 'keep_start' or 'keep_end'")
+    cut = slice(None, max_length) if mode == "keep_start" else slice(-max_length, None)
+    kwargs = {"num_proc": num_proc} if hasattr(dataset, "__len__") else {}
+    dataset = dataset.map(lambda ex: {"input_ids": ex["input_ids"][cut], "labels": ex["labels"][cut]}, **kwargs)
+    return dataset.filter(lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), **kwargs)
+
+
+def _check_one_row(collator: Any, dataset: Any) -> None:
+    """cost="summed" budgets a batch's summed tokens: the collator must flatten it into one row (NOTE [ Packing
+    with TRL ]). Tried on the first two prepared samples."""
+    if isinstance(collator, DataCollatorForLanguageModeling) and collator.padding_free:
+        return
+    samples = ([dataset[i] for i in range(min(2, len(dataset)))] if hasattr(dataset, "__len__")
+               else list(itertools.islice(iter(dataset), 2)))
+    if len(samples) < 2:
+        return
+    ids = collator(samples)["input_ids"]
+    if getattr(ids, "dim", lambda: 1)() > 1 and ids.shape[0] > 1:
+        raise ValueError(f"cost='summed' budgets the summed tokens of a batch, but data_collator "
+                         f"({type(collator).__name__}) returned padded rows {list(ids.shape)} for two samples: a "
+                         "batch would hold rows x longest tokens, over token_budget. Use SFTConfig(padding_free="
+                         "True) without a data_collator (TRL's padding-free collator), a collator that returns one "
+                         "flattened row, or cost='padded'")

@@ -44,14 +44,12 @@ NOTE [ Termination ]
 from __future__ import annotations
 
 import hashlib
-import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .grouping import GroupingConfig, check_oversize, padded_length, plan
+from .grouping import GroupingConfig, check_oversize, padded_length, plan, report_once
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -71,7 +69,6 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-logger = logging.getLogger("evenflow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +127,9 @@ def _canonical(obj: object) -> object:
     return obj
 
 
-REPORT_WIDTH = 13
+REPORT_WIDTH = 14
 """int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error, stop_step,
-epoch, data, resume, pid, host (see :class:`RankReport`)."""
+epoch, data, resume, pid, host, stream (see :class:`RankReport`)."""
 
 NO_VALUE = -1
 """``stop_step`` / ``resume`` / ``pid`` / ``host`` when a rank has nothing to report there."""
@@ -165,11 +162,14 @@ class RankReport:
     pid: int = NO_VALUE
     host: int = NO_VALUE
     """Process id and host fingerprint: survivors of a failed exchange name the ranks that died."""
+    stream: int = NO_VALUE
+    """Iterable datasets, an epoch's first round: fingerprint of the first samples this rank buffered. Equal on
+    every rank = identical streams, refused (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
 
     def to_array(self) -> np.ndarray:
         return np.array([self.fingerprint, self.num_groups, self.num_samples, int(self.exhausted), self.unread,
                          int(self.stop), int(self.error), self.stop_step, self.epoch, self.data, self.resume,
-                         self.pid, self.host], dtype=np.int64)
+                         self.pid, self.host, self.stream], dtype=np.int64)
 
     @classmethod
     def from_array(cls, row: Sequence[int]) -> RankReport:
@@ -197,12 +197,20 @@ class RoundDecision:
 
 
 def _check_agreement(table: np.ndarray) -> None:
-    """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them)."""
+    """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them), and
+    iterable streams identical on every rank (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
     for col, what, fix in _AGREEMENT:
         values = table[:, col]
         if (values != values[0]).any():
             by_value = {_show(col, int(v)): np.flatnonzero(values == v).tolist() for v in np.unique(values)}
             raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
+    streams = table[:, _STREAM_COL]
+    if len(streams) > 1 and streams[0] != NO_VALUE and (streams == streams[0]).all():
+        raise ValueError(f"all {len(streams)} ranks read the same first samples from their IterableDataset: an "
+                         "iterable is each rank's own stream, so identical streams would train every sample "
+                         f"{len(streams)} times. Split the stream per rank (an HF IterableDataset: "
+                         "datasets.distributed.split_dataset_by_node(ds, rank=rank, world_size=world_size); your own: "
+                         "skip by rank in __iter__), or pass a map-style dataset (the loader shards it by index)")
 
 
 def _show(col: int, value: int) -> object:
@@ -212,12 +220,16 @@ def _show(col: int, value: int) -> object:
 
 
 _RESUME_COL = 10
+_STREAM_COL = 13
 _AGREEMENT = (
     (0, "the loader configuration (fingerprint)", "every rank must build its loader with the same seed, budgets, "
         "buffer_size, join, balance, grad_accum_steps and world size"),
     (8, "the epoch", "call loader.set_epoch(epoch) with the same epoch on every rank"),
-    (9, "the dataset (len() or kind)", "every rank must see the same dataset: check for a partly written file or "
-        "a rank-dependent filter; shards are dealt from len(dataset) and would overlap"),
+    (9, "the dataset (len(), kind, or the lengths and tokens of a few items read at the same indices)",
+        "every rank must see the same map-style dataset, which the loader shards by index itself. A dataset already "
+        "split per rank (datasets.distributed.split_dataset_by_node, Dataset.shard(num_shards=W, index=rank)) would "
+        "be split again and train 1/W of the data: pass the whole dataset on every rank. Else check for a partly "
+        "written file, a rank-dependent filter or rank-dependent content in __getitem__"),
     (_RESUME_COL, "the resumed state (step counter)", "load every rank's state from the same checkpoint step, or "
         "none of them (a torn or partial checkpoint would repeat or skip samples)"),
 )
@@ -330,9 +342,8 @@ class RankPlanner:
             if self.grouping.oversize == "drop":
                 self.dropped.append(key)
                 reason = message.split(";")[0]
-                note = f"evenflow dropped 1 over-budget sample(s) [{key!r}] (oversize='drop'): {reason}"
-                logger.warning(note)
-                warnings.warn(note, stacklevel=2)
+                report_once(f"evenflow dropped 1 over-budget sample(s) [{key!r}] (oversize='drop'): {reason}",
+                            stacklevel=2)
                 return False
             self.alone.append(key)
         self.buffer.append(Item(key, int(length), int(loss_tokens), extra, self._next_seq, self.rounds))

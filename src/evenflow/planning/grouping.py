@@ -54,7 +54,7 @@ class GroupingConfig:
     """Optional caps on other per-sample resources, summed over a group, e.g. ``{"patches": 16384}``."""
     oversize: OversizePolicy = "error"
     """A sample that exceeds a budget on its own: ``"error"`` raises, ``"alone"`` gives it its own group
-    (counted), ``"drop"`` removes it (counted, logged and warned)."""
+    (counted), ``"drop"`` removes it (counted and warned once per drop)."""
     pad_to_multiple_of: int | None = None
     """Round padded lengths (padded cost) or the row length (summed cost) up to a multiple of this."""
 
@@ -347,13 +347,20 @@ def plan(lengths: Sequence[int] | np.ndarray, config: GroupingConfig, *,
             names = [labels[i] if labels is not None else i for i in positions]
             msg = (f"evenflow dropped {len(positions)} over-budget sample(s) {names[:10]}"
                    f"{'...' if len(names) > 10 else ''} (oversize='drop', token_budget={config.token_budget})")
-            logger.warning(msg)
-            warnings.warn(msg, stacklevel=2)
+            report_once(msg, stacklevel=3)
     keep = np.flatnonzero(~over)
     planner = _plan_padded if config.cost == "padded" else _plan_summed
     groups = planner(arr, keep, ext, config) if len(keep) else []
     groups.extend([i] for i in alone)
     return GroupingResult(groups=groups, alone=alone, dropped=dropped)
+
+
+def report_once(message: str, *, stacklevel: int = 2) -> None:
+    """Report a dropped sample once: a ``UserWarning`` (``logging.captureWarnings(True)`` routes it to logging),
+    plus a DEBUG record of the "evenflow" logger. A WARNING record as well printed every drop twice (Python's
+    logging fallback writes WARNING records to stderr when no handler is configured)."""
+    logger.debug(message)
+    warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def plan_groups(lengths: Sequence[int] | np.ndarray, *, token_budget: int, cost: CostModel = "padded",

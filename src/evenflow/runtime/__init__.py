@@ -11,6 +11,9 @@
                   (PeerTable: whichever collective a dead peer breaks, the error names it)
 - balancing.py / global_round.py / planning.py -- balance=True, planning="global", which policy runs
 - collate.py   -- PadCollate (right-padded rows) and FlatCollate (one varlen row)
+- collate_extras.py -- the other keys of a batch: media rows, audio clips, metadata (never dropped silently)
+- shard_check.py -- sharding mistakes caught at the first round (a dataset split twice, unsplit streams)
+- epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``), via evenflow.sim
 - step_info.py -- StepInfo, pop_step_info, scale_loss
 """
 

@@ -2,7 +2,11 @@
 
 Both always emit ``labels``: a sample without them trains as a causal LM on its own ``input_ids`` (padding and
 packing boundaries ignored), which is exactly what the loader counts as its supervised tokens
-(``LossTokenRule`` on ``input_ids`` when a sample has no ``labels``).
+(``LossTokenRule`` on ``input_ids`` when a sample has no ``labels``). Every other key of any sample of the batch
+-- images, audio, metadata -- is collated by what it means (NOTE [ Extra keys in the default collates ] in
+collate_extras.py): a batch mixing text-only, image and audio samples comes out in the layout HF multimodal
+models consume, e.g. Qwen2-VL's ``pixel_values`` ``(total_patches, 1176)`` and ``image_grid_thw``
+``(num_images, 3)``.
 """
 
 from __future__ import annotations
@@ -13,32 +17,33 @@ from dataclasses import dataclass
 import torch
 
 from ..planning.loss import IGNORE_INDEX
+from .collate_extras import ROW_KEYS, collate_extras
 
-__all__ = ["PadCollate", "FlatCollate"]
+__all__ = ["PadCollate", "FlatCollate", "ROW_KEYS", "TOKEN_ALIGNED_KEYS"]
 
-_TOKEN_KEYS = ("input_ids", "labels", "attention_mask")
+TOKEN_ALIGNED_KEYS = ("mm_token_type_ids", "token_type_ids")
+"""Per-token keys laid out like ``input_ids`` (padded / flattened with 0; a sample without one: all 0, i.e. text
+tokens -- Qwen2-VL's ``mm_token_type_ids`` is 0 text, 1 image, 2 video)."""
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask") + TOKEN_ALIGNED_KEYS
+_FLAT_KEYS = _TOKEN_KEYS + ("position_ids",)  # FlatCollate builds the packed row's own
+
+
+def _aligned(samples: Sequence[Mapping], lengths: Sequence[int]) -> dict[str, list[torch.Tensor]]:
+    """Each token-aligned key present on some sample, as one 1-D tensor per sample (zeros where absent)."""
+    out = {}
+    for key in TOKEN_ALIGNED_KEYS:
+        if any(key in s for s in samples):
+            out[key] = [_as_long(s[key]).reshape(-1) if key in s else torch.zeros(n, dtype=torch.long)
+                        for s, n in zip(samples, lengths)]
+            for i, (t, n) in enumerate(zip(out[key], lengths)):
+                if len(t) != n:
+                    raise ValueError(f"sample {i} of the batch: {key!r} has {len(t)} entries but 'input_ids' has "
+                                     f"{n}; a per-token key must align with the tokens")
+    return out
 
 
 def _as_long(x) -> torch.Tensor:
     return x.to(torch.long) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.long)
-
-
-def _passthrough(samples: Sequence[Mapping], keys: Sequence[str]) -> dict:
-    # Other keys: stack tensors of equal shape, concatenate along dim 0 when only dim 0 differs (e.g. image
-    # patches), otherwise hand over a list.
-    out = {}
-    for key in keys:
-        values = [s[key] for s in samples]
-        if all(isinstance(v, torch.Tensor) for v in values):
-            shapes = {tuple(v.shape) for v in values}
-            if len(shapes) == 1:
-                out[key] = torch.stack(values)
-                continue
-            if all(v.dim() >= 1 for v in values) and len({tuple(v.shape[1:]) for v in values}) == 1:
-                out[key] = torch.cat(values)
-                continue
-        out[key] = values
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +59,9 @@ class PadCollate:
 
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = None
+    row_keys: tuple[str, ...] = ROW_KEYS
+    """Keys holding per-item rows (images, audio frames), concatenated along dim 0; a sample without one adds
+    no rows (NOTE [ Extra keys in the default collates ])."""
 
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         ids = [_as_long(s["input_ids"]).reshape(-1) for s in samples]
@@ -72,7 +80,11 @@ class PadCollate:
             lab = _as_long(s["labels"]).reshape(-1) if "labels" in s else ids[row]
             labels[row, :len(lab)] = lab
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
-        out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
+        for key, values in _aligned(samples, [len(x) for x in ids]).items():
+            out[key] = torch.zeros((len(ids), width), dtype=torch.long)
+            for row, v in enumerate(values):
+                out[key][row, :len(v)] = v
+        out.update(collate_extras(samples, _TOKEN_KEYS, self.row_keys))
         return out
 
 
@@ -106,6 +118,8 @@ class FlatCollate:
     pad_to_multiple_of: int | None = None
     use_cache: bool | None = False
     """Value of the batch's ``use_cache`` entry (NOTE [ Packing and the KV cache ]); ``None``: no such entry."""
+    row_keys: tuple[str, ...] = ROW_KEYS
+    """As :attr:`PadCollate.row_keys`."""
 
     def __post_init__(self) -> None:
         if self.use_cache:
@@ -120,6 +134,7 @@ class FlatCollate:
             lab[0] = IGNORE_INDEX
             labels.append(lab)
         lengths = [len(x) for x in ids]
+        aligned = _aligned(samples, lengths)
         positions = [torch.arange(n, dtype=torch.long) for n in lengths]
         total = sum(lengths)
         pad = 0
@@ -132,6 +147,8 @@ class FlatCollate:
             labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
             positions.append(torch.arange(pad, dtype=torch.long))
             lengths.append(pad)
+            for values in aligned.values():
+                values.append(torch.zeros(pad, dtype=torch.long))
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
         longest = max(lengths)
@@ -144,7 +161,8 @@ class FlatCollate:
             "max_length_q": longest,
             "max_length_k": longest,
         }
+        out.update({key: torch.cat(values)[None] for key, values in aligned.items()})
         if self.use_cache is not None:
             out["use_cache"] = self.use_cache
-        out.update(_passthrough(samples, [k for k in samples[0] if k not in _TOKEN_KEYS]))
+        out.update(collate_extras(samples, _FLAT_KEYS, self.row_keys))
         return out

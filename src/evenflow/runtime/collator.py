@@ -31,8 +31,10 @@ import torch
 
 from ..planning.alignment import NO_VALUE, SLOT_WIDTH, RankPlanner, RankReport, RoundDecision, decide_round
 from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
+from .collate_extras import MissingKeyError
 from .comm import MetadataExchange
 from .faults import PeerError, PeerStopped, decode_detail, encode_detail, sample_of
+from .shard_check import PICKS, stream_print
 from .step_info import STEP_INFO_KEY, StepInfo
 
 if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True loaders need it
@@ -261,6 +263,7 @@ class EpochPipeline(threading.Thread):
         """Constant RankReport fields of this epoch: epoch, data, resume, pid, host."""
         self.describe_fetch_error = describe_fetch_error
         self.pulled = 0
+        self.reported = False
         self.exhausted = total == 0 or stream is None
         self.error: BaseException | None = error
         self.error_key: object = None
@@ -322,7 +325,14 @@ class EpochPipeline(threading.Thread):
         stop = self.handoff.stop_requested
         return RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0, self.exhausted,
                           self._unread(), stop, not ok, self.handoff.stop_step if stop else NO_VALUE,
-                          **self.report_fields)
+                          **self.report_fields, stream=self._stream_print())
+
+    def _stream_print(self) -> int:
+        """Iterable epochs, first round only: the first buffered samples' fingerprint (NOTE [ Sharding mistakes ])."""
+        if self.total is not None or self.reported:
+            return NO_VALUE
+        self.reported = True
+        return stream_print([self.payloads[it.key] for it in self.planner.buffer[:PICKS] if it.key in self.payloads])
 
     def _balance(self, slots: list, gathered: np.ndarray, decision: RoundDecision) -> tuple[tuple, object]:
         """balance=True: exchanges 3 and 4 (every round; target 0 on stop/error/end rounds). Returns the
@@ -437,7 +447,9 @@ class EpochPipeline(threading.Thread):
                                 "batch, so collate_fn must return a dict (e.g. {'input_ids': ..., 'labels': ...})")
             return batch
         except Exception as exc:  # reported in the next round's exchange 1
-            self._fail(exc, keys[0] if keys else None)
+            # A default collate's MissingKeyError names the sample by its position in the batch.
+            at = exc.position if isinstance(exc, MissingKeyError) and 0 <= exc.position < len(keys) else 0
+            self._fail(exc, keys[at] if keys else None)
             self.pending = []
             return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 
@@ -32,6 +32,8 @@ from .loader_state import STATE_VERSION, _check_saved_by, _fingerprint, _validat
 from .loader_stream import _carried, _continued, _fetch_error, _Keyed, _Numbered
 from .planning import PlanningChoice, setup_planning
 from .resume import key_order
+from .epoch_plan import as_plan_lengths, plan_coverage, planned_steps
+from .shard_check import content_print
 from .source import StreamOptions, Streams, shard_indices
 from .step_info import StepInfo, UsageCheck, UsageTracker
 
@@ -122,6 +124,12 @@ class DynamicBatchLoader:
       group (``None``: all ranks up to 64, else blocks of 8). See :class:`LoaderConfig`. Global steps pack
       tightest but are the most length-homogeneous, which trained a tiny model worse at matched steps (worse
       than local on 6 of 8 seeds in the demo replay; NOTE [ The default planning policy ]).
+    - ``lengths``: every sample's length as the loader measures it (``length_fn``, default ``len(input_ids)``),
+      known before the epoch -- a dataset column, or :func:`evenflow.runtime.epoch_plan.dataset_lengths` (an HF
+      dataset's Arrow offsets, or one pass); a mapping ``{"tokens": ..., name: ...}`` adds ``extra_budgets``
+      values. ``len(loader)`` is then each epoch's exact step count, before and during it (NOTE [ The planned
+      epoch length ] in epoch_plan.py: what it covers and costs); every batch checks the lengths it was planned
+      with. Map-style datasets only.
     - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.runtime.step_info.StepInfoMisuse` a few
       fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
       ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).
@@ -140,7 +148,8 @@ class DynamicBatchLoader:
                  process_group: object | None = None, timeout: timedelta = timedelta(minutes=5),
                  worker_timeout: timedelta = timedelta(minutes=4),
                  idle_sample: Mapping | None = None, balance: bool = False, usage_check: UsageCheck = "taken",
-                 planning: PlanningChoice = "auto", planning_group: int | None = None, **unknown: object) -> None:
+                 planning: PlanningChoice = "auto", planning_group: int | None = None,
+                 lengths: Sequence[int] | Mapping[str, Sequence[int]] | None = None, **unknown: object) -> None:
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
         self.config = _loader_config(
@@ -174,7 +183,10 @@ class DynamicBatchLoader:
         self.idle_sample = idle_sample
         self._init_state()
         self.dropped: list = []
-        """Keys removed under ``oversize="drop"`` (also logged and warned)."""
+        """Keys removed under ``oversize="drop"`` (each also warned once)."""
+        self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
+        self._plan_lengths = None if lengths is None else self._check_lengths(lengths)
+        self._planned: dict[int, int] = {}  # epoch -> planned steps (NOTE [ The planned epoch length ])
         self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
 
     def _init_state(self) -> None:
@@ -189,6 +201,7 @@ class DynamicBatchLoader:
         self._steps_done = 0              # steps yielded this epoch
         self._committed = 0               # steps of completed accumulation windows, this epoch (state "step")
         self._resume = NO_VALUE           # 2 * step + finished of the state this epoch resumed from (RankReport)
+        self._resumed_epoch: int | None = None  # the epoch last resumed mid-way (not planned ahead)
         self._entered = False             # inside `with loader:` (NOTE [ Early stops ])
         self._keys: list = []             # this epoch's sample keys in stream order (map-style)
         self._finished = False            # the current epoch ran to its end
@@ -236,8 +249,12 @@ class DynamicBatchLoader:
     def __len__(self) -> int:
         """Upper bound on this epoch's steps, identical on every rank; tightens as the epoch runs.
 
-        Trainers must stop on exhaustion, not on ``len``: the exact count depends on lengths not yet seen.
+        Trainers must stop on exhaustion, not on ``len``: the exact count depends on lengths not yet seen --
+        unless they were given (``lengths=``): then it is the epoch's exact count (:meth:`planned_steps`).
         """
+        planned = self.planned_steps()
+        if planned is not None:
+            return planned
         if self._bound >= 0:
             return self._bound
         if self.streams.iterable:
@@ -248,6 +265,44 @@ class DynamicBatchLoader:
         if carry or self._pending_state is not None:
             return 2 * n  # rank-local carry/resume state: only a rank-independent bound is safe here
         return -(-n // self.world_size)
+
+    def planned_steps(self, epoch: int | None = None) -> int | None:
+        """Exact batches per rank of ``epoch`` (default: the current one) from ``lengths=``, before it starts.
+
+        ``None`` without ``lengths``, for a configuration the planner cannot replay (see
+        :func:`evenflow.runtime.epoch_plan.plan_coverage`), or for an epoch resumed mid-way from a state. Identical
+        on every rank; computed once per epoch (NOTE [ The planned epoch length ]).
+        """
+        if self._plan_lengths is None:
+            return None
+        epoch = self._epoch if epoch is None else epoch
+        pending = self._pending_state
+        if (pending is not None and pending["epoch"] == epoch and not pending["finished"]) or (
+                epoch == self._resumed_epoch):
+            return None
+        return self.fresh_planned_steps(epoch)
+
+    def fresh_planned_steps(self, epoch: int) -> int | None:
+        """:meth:`planned_steps` of ``epoch`` run from its start, resumed or not (a schedule's horizon)."""
+        if self._plan_lengths is None:
+            return None
+        if epoch not in self._planned:
+            tokens, extra = self._plan_lengths
+            self._planned[epoch] = planned_steps(tokens, extra, self.config, world_size=self.world_size,
+                                                 planning=self.planning, epoch=epoch)
+        return self._planned[epoch]
+
+    def _check_lengths(self, lengths) -> tuple:
+        if self.streams.iterable:
+            raise ValueError("lengths= plans a map-style dataset's epochs; an IterableDataset has no per-index "
+                             "lengths (drop lengths=)")
+        why = plan_coverage(join=self.config.alignment.join, oversize=self.config.grouping.oversize,
+                            world_size=self.world_size, planning=self.planning,
+                            group_size=self._planning.size or self.world_size, iterable=False)
+        if why:
+            raise ValueError(f"lengths= cannot plan this loader's epochs: {why}; drop lengths= (len() is then an "
+                             "upper bound)")
+        return as_plan_lengths(lengths, len(self.dataset), tuple(self.config.grouping.extra_budgets))
 
     def close(self, exc: BaseException | None = None) -> None:
         """Stop the current epoch on every rank (coordinated through the protocol) and release workers.
@@ -344,6 +399,7 @@ class DynamicBatchLoader:
         self._resume = NO_VALUE
         if state is not None and not state["finished"]:
             self._resume = 2 * state["step"]
+            self._resumed_epoch = state["epoch"]
             return list(state["carry"]), set(state["consumed"])
         if state is not None:  # that epoch was complete: start the next pass with what it carried
             self._resume = 2 * state["step"] + 1
@@ -377,14 +433,22 @@ class DynamicBatchLoader:
 
     def _report_fields(self) -> dict:
         try:
-            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset))
+            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset), self._content_print())
         except Exception:  # noqa: BLE001 - len() failing is reported by _open_stream in the same round
             kind = "len() failed"
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
                     host=_HOST)
 
+    def _content_print(self) -> tuple:
+        """A few items' lengths and head tokens, equal on every rank iff the ranks hold the same dataset (NOTE
+        [ Sharding mistakes ] in shard_check.py); read once per loader, only when there are peers to compare."""
+        if self._content is None:
+            self._content = content_print(self.dataset, self.spec.length_fn) if self.world_size > 1 else ()
+        return self._content
+
     def _on_yield(self, release: Release) -> None:
         info: StepInfo = release.info
+        self._check_planned(info)
         self._steps_done += 1
         if not self.streams.iterable:  # iterable epochs have no bound before their end (len() raises)
             self._bound = max(info.steps_bound, self._steps_done)
@@ -393,6 +457,22 @@ class DynamicBatchLoader:
             self._consumed.update(self._window_keys)
             self._window_keys = []
             self._committed = self._steps_done
+
+    def _check_planned(self, info: StepInfo) -> None:
+        """A planned epoch: the batch's samples must have the lengths the plan used (NOTE [ The planned epoch
+        length ]); else len() and a trainer's schedule are wrong, and this rank's error reaches every peer."""
+        if self._plan_lengths is None:
+            return
+        tokens = self._plan_lengths[0]
+        given = int(tokens[info.sample_ids].sum()) if info.sample_ids else 0
+        if given != info.real_tokens:
+            exc = ValueError(
+                f"rank {self.rank}, samples {list(info.sample_ids)}: lengths= gives them {given} tokens but the loader "
+                f"measured {info.real_tokens}; the planned epoch length ({self._planned.get(self._epoch)} steps, "
+                "len()) is wrong. Pass the lengths the loader measures (length_fn, default len(sample['input_ids']), after "
+                "any truncation), e.g. evenflow.runtime.epoch_plan.dataset_lengths(dataset)")
+            self._stop_epoch(exc)
+            raise exc
 
     def _finish_epoch(self) -> None:
         self._finished = True
