@@ -70,6 +70,11 @@ class ResumeContext:
         return _fingerprint(self.config, world_size, *shape_at(self.config, world_size))
 
 
+_ONE_COPY = (". A checkpoint that keeps one copy of a value saved under one key on every rank "
+             "(torch.distributed.checkpoint) must hold LoaderCheckpoint(loader) (evenflow.integrations), which gathers "
+             "every rank's state, not the loader itself")
+
+
 def resume_state(saved: object, ctx: ResumeContext) -> dict:
     """The normalized state this rank resumes from, or ValueError naming what is wrong and the fix.
 
@@ -82,10 +87,10 @@ def resume_state(saved: object, ctx: ResumeContext) -> dict:
             raise ValueError(f"cannot resume: this is rank {state['rank']}'s state of a job with world_size="
                              f"{state['world_size']}, and this job has {ctx.world_size} ranks; to resume on another "
                              f"number of ranks pass every saved rank's state, on every new rank: "
-                             f"loader.load_state_dict([state_0, ..., state_{state['world_size'] - 1}])")
+                             f"loader.load_state_dict([state_0, ..., state_{state['world_size'] - 1}]){_ONE_COPY}")
         if state["rank"] != ctx.rank:
             raise ValueError(f"state of rank {state['rank']} loaded on rank {ctx.rank}; load each rank's own state "
-                             "(or pass the list of every rank's state)")
+                             f"(or pass the list of every rank's state){_ONE_COPY}")
         _check_config(state, ctx)
         return _validated(state, ctx)
     states = [_as_state(s, f" (entry {i} of the list)") for i, s in enumerate(saved)]
