@@ -12,7 +12,7 @@ $(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-test
-	$(PIP) -e '.[test,demo,hf,accelerate,lightning,trl,tensorboard,audio]'
+	$(PIP) -e '.[test,demo,hf,accelerate,lightning,trl,tensorboard,audio,ray]'
 	touch $@
 
 test: $(VENV)/.installed-demo

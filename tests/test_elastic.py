@@ -215,6 +215,7 @@ def test_what_is_not_a_state_is_refused_naming_it_and_the_fix():
     state = saved("mid3")[0]
     assert "load it first" in _refused("/ckpt/evenflow_loader_rank0.json", "got a str")
     assert "pass its 'loader' entry" in _refused({"version": 1, "loader": state}, "DynamicBatchTrainer checkpoint file")
+    _refused({"version": 1, "loader": state, "lr_scaler": {}}, "DynamicBatchTrainer checkpoint file")
     assert "pass its 'ranks' list" in _refused({"version": 1, "ranks": [state]}, "checkpoint wrapper")
     _refused({"weight": 1.0}, "not an evenflow loader state")
     _refused(42, "got a int")

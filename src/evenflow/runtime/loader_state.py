@@ -122,12 +122,12 @@ def _as_state(obj: object, where: str = "") -> dict:
     if not isinstance(obj, Mapping):
         raise ValueError(f"cannot resume: load_state_dict got a {type(obj).__name__}{where}, {expected}")
     keys = set(obj)
-    if "loader" in keys and keys <= {"version", "loader"}:
+    if "loader" in keys and "fingerprint" not in keys:
         raise ValueError(f"cannot resume: this{where} is the content of a DynamicBatchTrainer checkpoint file "
-                         "(evenflow_loader_rank<r>.json: {'version', 'loader'}), not a loader state; pass its "
+                         "(evenflow_loader_rank<r>.json: {'version', 'loader', ...}), not a loader state; pass its "
                          "'loader' entry (or every rank's file's 'loader' entries as a list), or resume through "
                          "DynamicBatchTrainer.train(resume_from_checkpoint=...)")
-    if "ranks" in keys and keys <= {"version", "ranks"}:
+    if "ranks" in keys and "fingerprint" not in keys:
         raise ValueError(f"cannot resume: this{where} is an evenflow checkpoint wrapper ({{'version', 'ranks'}}, "
                          "saved by LoaderCheckpoint or the Lightning data module), not a loader state; pass its "
                          "'ranks' list, or load it through the object that saved it")
