@@ -1,13 +1,15 @@
 """Issue 20 item 3: trainer checkpoints saved by 2 processes, resumed on another number of processes.
 
 One 2-rank gloo world trains and checkpoints with the HF Trainer (``evenflow_loader_rank{r}.json`` per rank),
-Lightning (``ModelCheckpoint``), Accelerate (``save_state`` with ``LoaderCheckpoint``) and
-``torch.distributed.checkpoint`` (``LoaderCheckpoint`` as the Stateful); a 1-rank world resumes the first three
-(``resume_from_checkpoint``, ``ckpt_path``, ``load_state``), a 3-rank world the DCP one. Checked: every sample of
-each completed epoch trained exactly once over the work kept at the checkpoint plus the resumed run, the token
-LR rule kept the reference it was saved with (budget x 2 ranks x accumulation, not x 1), HF's epoch fraction
-did not restart from 0, and the bare loader given to DCP (which keeps one copy of a value saved under one key
-on every rank) is refused naming the fix.
+Lightning (``ModelCheckpoint``), Accelerate (``save_state`` with ``LoaderCheckpoint``),
+``torch.distributed.checkpoint`` (``LoaderCheckpoint`` as the Stateful) and plain per-rank state files; a 1-rank
+world resumes HF, Lightning, Accelerate and the plain files (``resume_from_checkpoint``, ``ckpt_path``,
+``load_state``, ``load_state_dict(list)``), a 3-rank world the DCP one. The Accelerate, DCP and list recipes
+are the code blocks of docs/readme_20.md, run as written (the README's "Elastic and multi-node" recipes).
+Checked: every sample of each completed epoch trained exactly once over the work kept at the checkpoint plus
+the resumed run, the token LR rule kept the reference it was saved with (budget x 2 ranks x accumulation, not
+x 1), HF's epoch fraction did not restart from 0, and the bare loader given to DCP (which keeps one copy of a
+value saved under one key on every rank) is refused naming the fix.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ def worlds(tmp_path_factory):
         for r in two:
             assert "error" not in r[name], r[name]["error"]
     step = esc.lightning_stop([x for r in two for x in r["lightning"]["record"]]) if "lightning" in WHICH else None
-    one = run_world(esc.resumed_on_one, 1, out, WHICH, step, two[0].get("accelerate_save"), timeout=600,
-                    pg_timeout_s=120)
+    one = run_world(esc.resumed_on_one, 1, out, WHICH, step, timeout=600, pg_timeout_s=120)
     three = run_world(esc.resumed_on_three, 3, out, timeout=300)
     return dict(two=two, one=one, three=three, lightning_step=step)
 
@@ -94,18 +95,30 @@ def test_lightning_resumes_on_one_device_from_a_two_device_checkpoint(worlds):
 
 
 @_needs("accelerate")
-def test_accelerate_resumes_on_one_process_from_a_two_process_state(worlds):
-    save = worlds["two"][0]["accelerate_save"]
+def test_the_readme_accelerate_recipe_resumes_on_one_process_from_a_two_process_state(worlds):
     second = worlds["one"][0]["accelerate"]
     assert "error" not in second, second["error"]
-    kept = [w for r in worlds["two"] for w in r["accelerate"]["windows"] if w["step"] <= save]
-    combined = kept + second["windows"]
-    assert second["windows"][0]["step"] == save + 1
+    kept = []
+    for r in worlds["two"]:
+        windows = 0
+        for row in r["accelerate"]["rows"]:  # the 2-process run saved after its SAVE_AT-th window
+            if windows < esc.SAVE_AT:
+                kept.append(row)
+            windows += row["window_end"]
+    assert second["start_epoch"] == kept[-1]["epoch"] == 0
+    combined = kept + second["rows"]
     for epoch in (0, 1):
-        _once([i for w in combined if w["epoch"] == epoch for i in w["ids"]], 96, f"Accelerate 2 -> 1 epoch {epoch}")
+        _once([i for w in combined if w["epoch"] == epoch for i in w["ids"]], 200, f"Accelerate 2 -> 1 epoch {epoch}")
 
 
-def test_dcp_loader_checkpoint_resumes_on_three_ranks_and_the_bare_loader_is_refused(worlds):
+def test_the_readme_list_recipe_resumes_two_plain_state_files_on_one_rank(worlds):
+    second = worlds["one"][0]["resume_list"]
+    assert "error" not in second, second["error"]
+    before = [i for r in worlds["two"] for i in r["dcp"]["ids"]]
+    _once(before + second["ids"], 301, "list recipe 2 -> 1")
+
+
+def test_the_readme_dcp_recipe_resumes_on_three_ranks_and_the_bare_loader_is_refused(worlds):
     before = [i for r in worlds["two"] for i in r["dcp"]["ids"]]
     after = worlds["three"]
     for r in after:

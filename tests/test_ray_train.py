@@ -32,7 +32,8 @@ def test_ray_train_resumes_a_two_worker_checkpoint_on_three_workers_exactly_once
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray keeps 127.0.0.1 as the node address (on Linux it otherwise
     # replaces it with the routable one, and Ray Train would give that to torch.distributed as MASTER_ADDR).
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"),
+                                           os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ray_job.py"), str(tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

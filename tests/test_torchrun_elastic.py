@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,21 +35,33 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("elastic_job.py")
 N, EVERY, DELAY = 2400, 3, 0.05
 DEADLINE_S = 150.0
+README = ROOT / "docs" / "readme_20.md"
+
+
+def snippet(name: str) -> str:
+    """The code block tagged ``<!-- snippet: name -->`` in docs/readme_20.md (the README's torchrun recipes)."""
+    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```\w*\n(.*?)```", README.read_text(), re.S)
+    assert match, f"docs/readme_20.md has no snippet {name!r}"
+    return match.group(1)
+
+
+def _env() -> dict:
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh worker store per restart. With the agent's shared store
+    # (torch's default since 2.5) a restarted world can read its peers' addresses left by the previous attempt
+    # and fail to connect (pytorch/pytorch#135712; seen here with torch 2.13 as "Gloo connectFullMesh failed
+    # ... Connection refused" on the first restart). The README's elastic command exports it too.
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
 
 
 def _agent(port: int, out: Path, name: str) -> tuple[subprocess.Popen, object]:
-    conf = ("is_host=false,join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,"
-            "keep_alive_max_attempt=3,read_timeout=30")
+    # The README's rendezvous timeouts; this test hosts the store itself (is_host=false on both agents).
+    conf = re.search(r"--rdzv-conf=(\S+)", snippet("torchrun-elastic")).group(1) + ",is_host=false,read_timeout=30"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=evenflow-elastic",
            f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", "--monitor-interval=0.5",
            str(JOB), str(out), str(N), str(EVERY), str(DELAY)]
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh worker store per restart. With the agent's shared store
-    # (torch's default since 2.5) a restarted world can read its peers' addresses left by the previous attempt
-    # and fail to connect (pytorch/pytorch#135712; seen here with torch 2.13 as "Gloo connectFullMesh failed
-    # ... Connection refused" on the first restart).
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = _env()
     log = open(out / f"agent-{name}.log", "w")  # noqa: SIM115 - closed by the test
     # Its own session: if the test fails, the agent and its workers are stopped as one process group.
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
@@ -69,7 +84,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _tail(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(out.glob("agent-*.log")))
+    return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(out.glob("*.log")))
 
 
 def test_an_agent_stopped_mid_epoch_the_survivor_reforms_and_trains_every_sample_once(tmp_path):
@@ -80,7 +95,8 @@ def test_an_agent_stopped_mid_epoch_the_survivor_reforms_and_trains_every_sample
     try:
         ckpt = tmp_path / "ckpt"
         while not any(m["world_size"] == 4 for m in _committed(ckpt)):
-            assert a.poll() is None and b.poll() is None, "an agent exited before the first checkpoint\n" + _tail(tmp_path)
+            assert a.poll() is None and b.poll() is None, ("an agent exited before the first checkpoint\n"
+                                                           + _tail(tmp_path))
             assert time.monotonic() - started < DEADLINE_S, "no 4-rank checkpoint in time\n" + _tail(tmp_path)
             time.sleep(0.1)
         b.send_signal(signal.SIGTERM)  # the agent stops its workers, keeps the rendezvous open
@@ -116,3 +132,34 @@ def test_an_agent_stopped_mid_epoch_the_survivor_reforms_and_trains_every_sample
     assert len(trained) == len(set(trained)), "a sample was trained twice across the re-formation"
     assert sorted(trained) == list(range(N)), f"{N - len(set(trained))} samples were never trained"
     assert elapsed < DEADLINE_S
+
+
+def test_the_readme_multinode_command_runs_as_two_nodes_on_loopback(tmp_path):
+    """The README's multi-node command as written, with $NNODES=2, $NPROC=1, $HEAD=127.0.0.1 (and a free port
+    for 29400): two agents, one process each, form one 2-rank job (tests/torchrun_job.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = snippet("torchrun-multinode").strip()
+    for var, value in (("$NNODES", "2"), ("$NPROC", "1"), ("$HEAD:29400", f"127.0.0.1:{port}"), ("$JOB", "readme20")):
+        assert var in text, var
+        text = text.replace(var, value)
+    args = shlex.split(text)
+    assert args[0] == "torchrun" and args[-1] == "train.py", args
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args[1:-1], str(ROOT / "tests" / "torchrun_job.py"),
+           str(tmp_path)]
+    logs = [open(tmp_path / f"node{k}.log", "w") for k in range(2)]  # noqa: SIM115 - closed below
+    procs = [subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             for log in logs]
+    try:
+        codes = [p.wait(120) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the two-node job did not finish in time\n" + _tail(tmp_path))
+    finally:
+        for p in procs:
+            _stop(p)
+        for log in logs:
+            log.close()
+    assert codes == [0, 0], "\n".join((tmp_path / f"node{k}.log").read_text()[-2000:] for k in range(2))
+    rows = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
+    assert rows[0][0] == rows[1][0] and sum(int(r[1]) for r in rows) == 301  # equal steps, every sample once

@@ -191,7 +191,8 @@ class DynamicBatchLoader:
         self._resume = NO_VALUE           # 2 * step + finished of the state this epoch resumed from (RankReport)
         self._entered = False             # inside `with loader:` (NOTE [ Early stops ])
         self._keys: list = []             # this epoch's sample keys in stream order (map-style)
-        self._stream: list | None = None  # a re-dealt epoch's keys instead of the shard (NOTE [ Re-dealing a resumed epoch ])
+        self._stream: list | None = None  # a re-dealt epoch's keys, else None: the shard (NOTE [ Re-dealing ...
+        #                                   a resumed epoch ] in redeal.py)
         self._finished = False            # the current epoch ran to its end
         self._bound = -1                  # steps_bound of the last yielded batch
         self._pipeline: EpochPipeline | None = None

@@ -57,8 +57,8 @@ def check_world(states: Sequence[Mapping]) -> list[Mapping]:
             values.setdefault(repr(s[field]), []).append(int(s["rank"]) if "rank" in s else i)
         if len(values) > 1:
             shown = "; ".join(f"{field}={v} on rank(s) {r}" for v, r in values.items())
-            raise ValueError(f"cannot resume: the loader states do not come from one checkpoint: {_WHY.get(field, field)}"
-                             f" ({shown}); pass every rank's state from the same checkpoint")
+            raise ValueError(f"cannot resume: the loader states do not come from one checkpoint: "
+                             f"{_WHY.get(field, field)} ({shown}); pass every rank's state from the same checkpoint")
     world = int(states[0]["world_size"])
     ranks = [int(s["rank"]) for s in states]
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
