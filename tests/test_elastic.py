@@ -285,3 +285,15 @@ def test_sweep_slice_loses_and_repeats_nothing_and_scales_the_loss_exactly():
     assert out["errors"] == out["hangs"] == 0, out
     assert out["lost"] == out["duplicated"] == out["unequal_steps"] == out["scale_errors"] == 0, out
     assert out["windows_checked"] > 50 and out["max_rel_err"] <= elastic_sweep.REL_TOL, out
+
+
+def test_step_metrics_epoch_progress_continues_after_a_resume():
+    from evenflow.integrations import StepMetrics
+    loader = _make()
+    batch = next(iter(loader))
+    info = evenflow.pop_step_info(batch)
+    loader.close()
+    meter = StepMetrics(epoch_samples=N)
+    meter.resumed(info.epoch, 100)  # 100 samples of this epoch trained before the checkpoint, on any world size
+    meter.update(info)
+    assert meter.summary()["evenflow/epoch_progress"] == (100 + info.global_samples) / N

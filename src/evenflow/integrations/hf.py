@@ -221,6 +221,8 @@ class DynamicBatchTrainer(Trainer):
         self.train_batches = batches
         join = loader.config.alignment.join
         self.evenflow_metrics = StepMetrics(epoch_samples=len(self.train_dataset) if epoch_mode and join else None)
+        if batches.resumed_done:
+            self.evenflow_metrics.resumed(batches.epoch, batches.resumed_done)
         return batches
 
     def close_train_loader(self) -> None:

@@ -94,7 +94,8 @@ class TrainBatches:
         """Totals over all ranks since construction, from the StepInfo of every batch (padding copies count 0)."""
         self._active = None   # the generator HF is consuming
         self._inner = None    # the loader's iterator while an epoch is in flight
-        self._resumed_done = 0  # samples of the resumed epoch trained before the checkpoint (all ranks)
+        self.resumed_done = 0
+        """Samples of the resumed epoch every rank had trained at the checkpoint (0 until the epoch starts)."""
 
     def __len__(self) -> int:
         if not self.sized:
@@ -116,7 +117,7 @@ class TrainBatches:
             self.loader.set_epoch(epoch)
             self._inner = iter(self.loader)
             steps, window, last = 0, 0, None
-            self.samples_done, self._resumed_done = self._resumed_done, 0
+            self.samples_done, self.resumed_done = self.resumed_done, 0  # the epoch fraction continues
             for batch in self._inner:
                 info = batch[STEP_INFO_KEY]
                 steps, window, last = steps + 1, window + 1, batch
@@ -219,7 +220,7 @@ class TrainBatches:
         first = states[0] if many else states
         self.epoch = first["epoch"] + (1 if first["finished"] else 0)
         if many and not first["finished"]:
-            self._resumed_done = self._done_before(states)
+            self.resumed_done = self._done_before(states)
 
     def _done_before(self, states: Sequence[Mapping]) -> int:
         """Samples of the resumed epoch every rank had trained at the checkpoint: the epoch fraction continues

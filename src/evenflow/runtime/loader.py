@@ -54,7 +54,8 @@ class DynamicBatchLoader:
     Guarantees (each tested with real gloo processes): every rank yields the same number of batches per
     epoch; with ``join=True`` every sample of the epoch is yielded exactly once across ranks (ranks that run
     dry yield IDLE batches); no batch exceeds a budget; ``scale_loss`` gives the exact global per-token
-    loss; ``state_dict``/``load_state_dict`` resume without loss or repetition; errors on any rank end the
+    loss; ``state_dict``/``load_state_dict`` resume without loss or repetition (on another number of ranks
+    too, from the list of every rank's state: NOTE [ Re-dealing a resumed epoch ]); errors on any rank end the
     epoch on every rank within one round (peers raise :class:`evenflow.PeerError`; a rank that leaves its
     loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in faults.py). Use
     ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an error.

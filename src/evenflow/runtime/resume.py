@@ -7,7 +7,8 @@ this rank's epoch never held, ``finished`` inconsistent with what was consumed a
 IterableDataset resumed with another ``num_workers`` (its keys are stream positions, which depend on how
 workers interleave). What one rank cannot see -- a torn checkpoint (rank 0 from step 3, rank 1 from step 6)
 or a state loaded on some ranks only -- is refused in the epoch's first exchange, where every rank reports
-``2 * step + finished`` of its state (``RankReport.resume``).
+``2 * step + finished`` of its state (``RankReport.resume``). A list of every rank's state (resume on any number
+of ranks) is checked as one checkpoint at load time instead (evenflow.runtime.redeal.check_world).
 """
 
 from __future__ import annotations
