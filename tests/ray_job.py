@@ -3,7 +3,7 @@
     ray_job.py OUT
 
 Run 0: 2 workers, stopped at optimizer step 4 (a checkpoint is reported there). Run 1: resumed from that checkpoint
-on 3 workers, to the end of epoch 2. Prints one JSON line last; exit code 3 with ``RAY_CANNOT_START`` when Ray
+on 3 workers, to the end of epoch 2. Writes OUT/result.json; exit code 3 with ``RAY_CANNOT_START`` when Ray
 itself does not start here (the test then skips, naming the reason).
 """
 
@@ -35,8 +35,10 @@ if __name__ == "__main__":
         kw = dict(storage=os.path.join(out, "ray"), log_dir=os.path.join(out, "trained"), n=120, epochs=2)
         first = ray_train.fit(workers=2, run=0, stop_at=STOP, **kw)
         second = ray_train.fit(workers=3, run=1, resume=first.checkpoint.path, **kw)
-        print(json.dumps(dict(first=first.metrics, second=second.metrics, stop=STOP,
-                              first_error=str(first.error) if first.error else None,
-                              second_error=str(second.error) if second.error else None)), flush=True)
+        result = dict(first=first.metrics, second=second.metrics, stop=STOP,
+                      first_error=str(first.error) if first.error else None,
+                      second_error=str(second.error) if second.error else None)
+        # A file, not stdout: Ray's processes keep logging to the same stream until shutdown.
+        Path(out, "result.json").write_text(json.dumps(result))
     finally:
         ray.shutdown()

@@ -48,7 +48,7 @@ def test_ray_train_resumes_a_two_worker_checkpoint_on_three_workers_exactly_once
     if proc.returncode == 3 and "RAY_CANNOT_START" in output:
         pytest.skip("Ray cannot start on this machine: " + output.split("RAY_CANNOT_START", 1)[1].strip()[:500])
     assert proc.returncode == 0, output[-4000:]
-    result = json.loads(output.strip().splitlines()[-1])
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["first_error"] is None and result["second_error"] is None, result
     logs = collections.defaultdict(list)
     for path in (tmp_path / "trained").glob("run*-rank*-of*.jsonl"):
