@@ -12,7 +12,7 @@ $(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-test
-	$(PIP) -e '.[test,demo,hf,accelerate,lightning,trl,tensorboard,audio]'
+	$(PIP) -e '.[test,demo,hf,accelerate,lightning,trl,tensorboard,audio,ray]'
 	touch $@
 
 test: $(VENV)/.installed-demo
@@ -26,9 +26,12 @@ bench: $(VENV)/.installed-demo
 	$(PY) benchmarks/run_all.py
 
 # Randomized soak of the loader's guarantees (issue 10): >= 1,000 pooled + >= 100 fresh-process
-# configurations on real gloo worlds; prints one JSON line last (lost, duplicated, hangs, ...).
+# configurations on real gloo worlds; prints one JSON line last (lost, duplicated, hangs, ...). Then the
+# W -> W' resume sweep (issue 20): every ordered pair of world sizes in 1..4, both policies, accumulation 1/2,
+# join and quota; its own JSON line.
 soak: $(VENV)/.installed-test
 	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 5400
+	$(PY) benchmarks/soak.py --elastic --seed 0
 
 check-protocol: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/test_model_checker.py

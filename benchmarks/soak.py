@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py                      # make soak: >= 1,000 + >= 100 configurations
     python benchmarks/soak.py --configs 40 --fresh 3 --time-limit 110   # the slice `make test` runs
+    python benchmarks/soak.py --elastic            # resume at another world size: every W -> W' in 1..4 (issue 20)
 
 Each configuration (seeded) draws: world size 1-5, map-style or iterable data (uneven and empty per-rank
 streams), workers 0-3 under fork/spawn/forkserver, buffer 1-4,096, accumulation 1-4, balance on/off, every
@@ -498,7 +499,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline", type=float, default=300.0, help="per-configuration seconds before a hang")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink the data sizes (the make-test slice)")
     parser.add_argument("--max-world", type=int, default=5)
+    parser.add_argument("--elastic", action="store_true", help="instead: the W -> W' resume sweep "
+                        "(benchmarks/elastic_sweep.py, every pair in 1..4; --configs N runs a random slice of N)")
     args = parser.parse_args(argv)
+    if args.elastic:
+        from elastic_sweep import sweep  # benchmarks/ is the script's own folder
+        out = sweep(args.seed, None if "--configs" not in (argv or sys.argv) else args.configs, min(args.max_world, 4),
+                    args.time_limit)
+        print(json.dumps(out), flush=True)
+        return out
     out = soak(args.seed, args.configs, args.fresh, args.time_limit, args.deadline, args.scale, args.max_world)
     print(json.dumps(out), flush=True)
     return out

@@ -53,13 +53,15 @@ class TinyModule(EvenflowModule):
 
 def fit(*, module: L.LightningModule | None = None, epochs: int = 2, accum: int = 2, token_budget: int = 256,
         n: int = 256, callbacks: tuple = (), ckpt_path: str | None = None, root: str = "lightning_out",
-        max_steps: int = -1, progress_bar: bool = True) -> L.Trainer:
+        max_steps: int = -1, progress_bar: bool = True, devices: int = 2,
+        lr_scaling: str | None = None) -> L.Trainer:
     datamodule = DynamicBatchDataModule(RandomChat(n), token_budget=token_budget, val_dataset=RandomChat(64, seed=1),
                                         buffer_size=64)
-    trainer = L.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=2, strategy="ddp",
+    trainer = L.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices, strategy="ddp",
                         max_epochs=epochs, max_steps=max_steps, accumulate_grad_batches=accum,
                         use_distributed_sampler=False,
-                        callbacks=[EvenflowCallback(), *([EvenflowProgressBar()] if progress_bar else []), *callbacks],
+                        callbacks=[EvenflowCallback(lr_scaling=lr_scaling),
+                                   *([EvenflowProgressBar()] if progress_bar else []), *callbacks],
                         default_root_dir=root, log_every_n_steps=5, enable_progress_bar=progress_bar,
                         enable_model_summary=False)
     trainer.fit(module or TinyModule(), datamodule=datamodule, ckpt_path=ckpt_path)

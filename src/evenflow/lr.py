@@ -118,7 +118,8 @@ class TokenLRScaler:
     attribute). Either pass ``reference_tokens``, or ``token_budget`` (and ``world_size``,
     ``grad_accum_steps``) for the default reference. Call :meth:`observe` once before every optimizer step: a
     step with no observed count raises, because silently reusing the previous step's count is a wrong LR that
-    nothing would show. :meth:`remove` detaches the hooks.
+    nothing would show. :meth:`remove` detaches the hooks. :meth:`state_dict` / :meth:`load_state_dict` keep
+    the reference across a resume, also on another number of ranks.
     """
 
     def __init__(self, optimizer: Any, *, scaling: LRScaling = "sqrt", reference_tokens: int | None = None,
@@ -145,6 +146,26 @@ class TokenLRScaler:
         factor = lr_factor(int(tokens), self.reference_tokens, self.scaling)
         self._tokens = int(tokens)
         return factor
+
+    def state_dict(self) -> dict:
+        """The scaling and the reference in effect: save it with the checkpoint (it is plain data)."""
+        return {"scaling": self.scaling, "reference_tokens": self.reference_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Keep the reference the run was saved with.
+
+        The default reference is ``token_budget x world_size x grad_accum_steps``; a job resumed on fewer ranks
+        would derive a smaller one and raise every step's factor, although its steps now hold fewer tokens. With
+        the saved reference a step of the resumed job gets the factor a step of the same tokens got before:
+        16,384 tokens against 32,768 (budget 4,096 x 8 ranks) is 0.71 (sqrt) on 4 ranks as on 8.
+        """
+        if state.get("scaling") != self.scaling:
+            raise ValueError(f"TokenLRScaler: the checkpoint was saved with scaling={state.get('scaling')!r}, this "
+                             f"scaler has scaling={self.scaling!r}; resume with the saved scaling")
+        reference = state.get("reference_tokens")
+        if isinstance(reference, bool) or not isinstance(reference, int) or reference < 1:
+            raise ValueError(f"TokenLRScaler: saved reference_tokens {reference!r} is not a positive integer")
+        self.reference_tokens = reference
 
     def remove(self) -> None:
         for handle in self._handles:

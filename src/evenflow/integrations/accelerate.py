@@ -11,6 +11,9 @@
         if info.window_end:
             optimizer.step(); optimizer.zero_grad()
 
+``LoaderCheckpoint`` (evenflow.integrations.states) gathers every rank's loader position into ``save_state``; a
+``load_state`` on another number of processes re-deals the untrained rest of the epoch.
+
 Written against accelerate 1.15. Why outside ``prepare``: ``prepare`` wraps only ``torch.utils.data.DataLoader``
 instances and returns any other object unchanged (tests/test_integrations.py checks this), so evenflow's batches
 would silently stay on the CPU; a prepared ``DataLoader`` would instead be re-sharded by rank, or with
@@ -35,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("evenflow.integrations.accelerate needs accelerate: pip install 'evenflow[accelerate]'") from exc
 
 from ..runtime.loader import DynamicBatchLoader
-from .states import gather_states, pick_state
+from .states import LoaderCheckpoint
 from ..runtime.step_info import StepInfo, pop_step_info
 
 __all__ = ["device_batches", "sync_window", "LoaderCheckpoint"]
@@ -60,29 +63,3 @@ def sync_window(accelerator, model, info: StepInfo) -> contextlib.AbstractContex
     """``accelerator.no_sync(model)`` inside an accumulation window, a plain context on its last micro-step."""
     _check(accelerator)
     return contextlib.nullcontext() if info.window_end else accelerator.no_sync(model)
-
-
-class LoaderCheckpoint:
-    """Every rank's loader state in one object, for ``accelerator.register_for_checkpointing``.
-
-    Accelerate writes custom objects from the main process only, but loader states are per rank: ``state_dict``
-    gathers them over the default group (a collective -- ``save_state`` runs on every rank, as Accelerate
-    requires; NOTE [ Gather states on the default group ]), and ``load_state_dict`` picks this rank's entry. After a load, :attr:`start_epoch` is the epoch
-    to pass to ``loader.set_epoch`` next (the saved one, or the one after it when it had finished).
-    """
-
-    VERSION = 1
-
-    def __init__(self, loader: DynamicBatchLoader) -> None:
-        self.loader = loader
-        self.start_epoch = 0
-
-    def state_dict(self) -> dict:
-        return {"version": self.VERSION, "ranks": gather_states(self.loader.state_dict())}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != self.VERSION:
-            raise ValueError(f"LoaderCheckpoint version {state.get('version')!r} is not {self.VERSION}")
-        mine = pick_state(state["ranks"])
-        self.loader.load_state_dict(mine)
-        self.start_epoch = mine["epoch"] + (1 if mine["finished"] else 0)

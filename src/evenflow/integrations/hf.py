@@ -35,7 +35,10 @@ NOTE [ HF Trainer contract ]
     at most ``gradient_accumulation_steps - 1`` extra forward/backward passes per epoch) and then applied.
 
     Resume. The loader's per-rank state is written next to each checkpoint (``evenflow_loader_rank{r}.json``,
-    from ``on_save``) and loaded by ``get_train_dataloader`` when ``train(resume_from_checkpoint=...)``. HF's own
+    from ``on_save``) and loaded by ``get_train_dataloader`` when ``train(resume_from_checkpoint=...)``: each
+    rank's own file, or -- on another number of processes -- every saved rank's file, from which the rest of
+    the epoch is re-dealt (NOTE [ What an HF checkpoint folder must hold ] in evenflow.integrations.hf_epochs).
+    With ``lr_scaling`` the token LR rule keeps the reference it was saved with. HF's own
     batch skipping works by counting batches of ``len(dataloader)``, which is only a bound here, so the trainer
     runs on a copy of ``args`` with ``ignore_data_skip=True``: nothing is skipped twice. The loader, not HF's epoch
     counter, owns the epoch number (HF's ``set_epoch`` is not forwarded; ``state.epoch`` is rewritten from the
@@ -55,8 +58,8 @@ NOTE [ HF Trainer contract ]
     + whole epochs to come) and set to the steps taken when the run ends; under ``max_steps`` it is exact from
     the start. An ``IterableDataset`` has no length: HF needs ``max_steps`` and shows that. The final
     ``train_samples_per_second`` counts the samples trained (StepInfo), ``train_tokens_per_second`` and
-    ``train_loss_tokens_per_second`` are added. After a mid-epoch resume the epoch fraction restarts from the
-    resumed position's count (known limitation).
+    ``train_loss_tokens_per_second`` are added. After a mid-epoch resume the epoch fraction continues from the
+    samples every rank had trained at the checkpoint when the folder holds every rank's file (else from 0).
     Packing: padding-free rows (``position_ids`` without ``attention_mask``) always reach the model with
     ``use_cache=False`` (NOTE [ Packing and the KV cache ] in evenflow.runtime.collate).
     Known HF behaviour kept as is: ``train_loss`` in the final metrics adds this rank's unreduced share for the
@@ -70,7 +73,6 @@ import copy
 import dataclasses
 import inspect
 import sys
-import json
 import os
 import time
 import warnings
@@ -92,7 +94,7 @@ from ..planning.loss import LossTokenRule
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo
 from .evaluation import eval_loader, evaluate_loss
-from .hf_epochs import LOADER_STATE_FILE, BoundProgressCallback, EpochCallback, TrainBatches
+from .hf_epochs import LOADER_STATE_FILE, BoundProgressCallback, EpochCallback, TrainBatches, read_loader_files
 from .metrics import StepMetrics
 
 __all__ = ["DynamicBatchTrainer", "LOADER_STATE_FILE"]
@@ -156,6 +158,7 @@ class DynamicBatchTrainer(Trainer):
         self.evenflow_metrics = StepMetrics()
         self.train_batches: TrainBatches | None = None
         self._resume_dir: str | None = None
+        self._resume_lr: dict | None = None
         self._eval_loaders: dict = {}
         _warn_ignored_arguments(self.args)
         self._forward_keys = self._model_input_names()
@@ -218,18 +221,20 @@ class DynamicBatchTrainer(Trainer):
                           "steps, so the schedule will not reach its end. Pass lengths= (each sample's length, e.g. "
                           "a dataset column; NOTE [ The planned epoch length ]) for the exact count, or set max_steps.",
                           stacklevel=2)
+        self._resume_lr = None
         if self._resume_dir is not None:
-            path = os.path.join(self._resume_dir, LOADER_STATE_FILE.format(rank=loader.rank))
-            if not os.path.isfile(path):
+            try:
+                files = read_loader_files(self._resume_dir, loader.rank, loader.world_size)
+                batches.load(files)
+            except BaseException:
                 loader.close()
-                raise FileNotFoundError(f"{path} is missing: checkpoint {self._resume_dir} was not written by "
-                                        "DynamicBatchTrainer, so the loader cannot resume its epoch position; "
-                                        "resume from a DynamicBatchTrainer checkpoint or start a new run")
-            with open(path) as f:
-                batches.load(json.load(f))
+                raise
+            self._resume_lr = (files[0] if isinstance(files, list) else files).get("lr_scaler")  # same on every rank
         self.train_batches = batches
         join = loader.config.alignment.join
         self.evenflow_metrics = StepMetrics(epoch_samples=len(self.train_dataset) if epoch_mode and join else None)
+        if batches.resumed_done:
+            self.evenflow_metrics.resumed(batches.epoch, batches.resumed_done)
         return batches
 
     def close_train_loader(self) -> None:
@@ -284,6 +289,8 @@ class DynamicBatchTrainer(Trainer):
             reference = self.lr_rule.resolve(token_budget=self.token_budget, world_size=self.args.world_size,
                                              grad_accum_steps=self.args.gradient_accumulation_steps)
             self.lr_scaler = TokenLRScaler(optimizer, scaling=self.lr_rule.scaling, reference_tokens=reference)
+            if self._resume_lr is not None:  # the reference the run was saved with (maybe on another world size)
+                self.lr_scaler.load_state_dict(self._resume_lr)
         return optimizer
 
     # -- loss --------------------------------------------------------------------------------------------------

@@ -9,25 +9,67 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.loader import DynamicBatchLoader
+from ..runtime.redeal import epoch_stream
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo
 
-__all__ = ["TrainBatches", "EpochCallback", "BoundProgressCallback", "LOADER_STATE_FILE"]
+__all__ = ["TrainBatches", "EpochCallback", "BoundProgressCallback", "LOADER_STATE_FILE", "read_loader_files"]
 
 logger = logging.getLogger("evenflow")
 
 LOADER_STATE_FILE = "evenflow_loader_rank{rank}.json"
-"""Per-rank loader state inside each checkpoint folder (plain JSON)."""
+"""Per-rank loader state inside each checkpoint folder (plain JSON): ``{"version", "loader"[, "lr_scaler"]}``."""
 _STATE_FILE_VERSION = 1
+
+
+def read_loader_files(folder: str, rank: int, world_size: int) -> list[dict] | dict:
+    """The checkpoint files' contents to resume ``rank`` of ``world_size`` from: every saved rank's when the folder
+    holds them all (any number of ranks), else this rank's own (the same number of ranks only).
+
+    NOTE [ What an HF checkpoint folder must hold ]
+        Each rank writes its own ``evenflow_loader_rank<r>.json``. Resuming on the same number of ranks needs
+        only each rank's own file (node-local checkpoint folders work). Resuming on another number needs, on
+        every rank, *all* the files the saved job wrote (rank 0 .. W-1): every new rank re-deals the untrained
+        rest of the epoch from all of them. Keep checkpoints on a file system every node sees, or copy the files
+        into each node's folder.
+    """
+    own = os.path.join(folder, LOADER_STATE_FILE.format(rank=rank))
+    present = sorted(glob.glob(os.path.join(folder, LOADER_STATE_FILE.format(rank="*"))))
+    if not present:
+        raise FileNotFoundError(f"{own} is missing: checkpoint {folder} was not written by DynamicBatchTrainer, so the "
+                                "loader cannot resume its epoch position; resume from a DynamicBatchTrainer checkpoint "
+                                "or start a new run")
+    first = _read(own if os.path.isfile(own) else present[0])
+    saved_world = first.get("loader", {}).get("world_size") if isinstance(first.get("loader"), Mapping) else None
+    if not isinstance(saved_world, int) or saved_world < 1:
+        raise ValueError(f"{own if os.path.isfile(own) else present[0]} is not an evenflow loader file (no "
+                         "'loader' state with a world_size); resume from a DynamicBatchTrainer checkpoint")
+    paths = [os.path.join(folder, LOADER_STATE_FILE.format(rank=r)) for r in range(saved_world)]
+    if all(os.path.isfile(p) for p in paths):
+        return [_read(p) for p in paths]
+    if saved_world == world_size and os.path.isfile(own):
+        return first
+    found = sorted(int(p.rsplit("rank", 1)[1].split(".")[0]) for p in present)
+    raise FileNotFoundError(
+        f"checkpoint {folder} was saved by {saved_world} ranks and this job has {world_size}: every rank needs all "
+        f"{saved_world} loader files evenflow_loader_rank0..{saved_world - 1}.json in its checkpoint folder to re-deal "
+        f"the rest of the epoch, and this one holds ranks {found}. Put checkpoints on a file system every node "
+        "sees, or copy the files into each node's checkpoint folder (NOTE [ What an HF checkpoint folder must hold ])")
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 class TrainBatches:
@@ -52,6 +94,8 @@ class TrainBatches:
         """Totals over all ranks since construction, from the StepInfo of every batch (padding copies count 0)."""
         self._active = None   # the generator HF is consuming
         self._inner = None    # the loader's iterator while an epoch is in flight
+        self.resumed_done = 0
+        """Samples of the resumed epoch every rank had trained at the checkpoint (0 until the epoch starts)."""
 
     def planned_windows(self, epoch: int, fresh: bool = False) -> int | None:
         """Optimizer steps (windows) of ``epoch`` planned from the loader's ``lengths=``, or None (NOTE [ The
@@ -92,7 +136,7 @@ class TrainBatches:
             self.loader.set_epoch(epoch)
             self._inner = iter(self.loader)
             steps, window, last = 0, 0, None
-            self.samples_done = 0
+            self.samples_done, self.resumed_done = self.resumed_done, 0  # the epoch fraction continues
             for batch in self._inner:
                 info = batch[STEP_INFO_KEY]
                 steps, window, last = steps + 1, window + 1, batch
@@ -186,15 +230,36 @@ class TrainBatches:
             return global_step + max(left, 0) + len(planned) * per_epoch
         return global_step + max(left, 0) + sum(planned)
 
-    def state(self) -> dict:
-        return {"version": _STATE_FILE_VERSION, "loader": self.loader.state_dict()}
+    def state(self, lr_scaler=None) -> dict:
+        out = {"version": _STATE_FILE_VERSION, "loader": self.loader.state_dict()}
+        if lr_scaler is not None:
+            out["lr_scaler"] = lr_scaler.state_dict()  # the reference survives a resume on another world size
+        return out
 
-    def load(self, state: Mapping) -> None:
-        if state.get("version") != _STATE_FILE_VERSION:
-            raise ValueError(f"evenflow checkpoint file version {state.get('version')!r} is not {_STATE_FILE_VERSION}")
-        loader_state = state["loader"]
-        self.loader.load_state_dict(loader_state)
-        self.epoch = loader_state["epoch"] + (1 if loader_state["finished"] else 0)
+    def load(self, files: Mapping | Sequence[Mapping]) -> None:
+        """Resume from checkpoint files' contents: this rank's own, or every saved rank's (any number of ranks)."""
+        many = not isinstance(files, Mapping)
+        for content in files if many else [files]:
+            if not isinstance(content, Mapping) or content.get("version") != _STATE_FILE_VERSION:
+                version = content.get("version") if isinstance(content, Mapping) else type(content).__name__
+                raise ValueError(f"evenflow checkpoint file version {version!r} is not {_STATE_FILE_VERSION}")
+        states = [f["loader"] for f in files] if many else files["loader"]
+        self.loader.load_state_dict(states)
+        first = states[0] if many else states
+        self.epoch = first["epoch"] + (1 if first["finished"] else 0)
+        if many and not first["finished"]:
+            self.resumed_done = self._done_before(states)
+
+    def _done_before(self, states: Sequence[Mapping]) -> int:
+        """Samples of the resumed epoch every rank had trained at the checkpoint: the epoch fraction continues
+        from there (map-style join mode, where each sample counts once; else 0)."""
+        loader = self.loader
+        if not loader.config.alignment.join or loader.streams.iterable:
+            return 0
+        n, config = len(loader.dataset), loader.config
+        left = sum(len(epoch_stream(s, num_samples=n, seed=config.seed, shuffle=config.shuffle)) - len(s["consumed"])
+                   for s in states)
+        return max(n - left, 0)
 
     def close(self) -> None:
         active, inner = self._active, self._inner
@@ -247,7 +312,7 @@ class EpochCallback(TrainerCallback):
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, LOADER_STATE_FILE.format(rank=batches.loader.rank))
         with open(path + ".tmp", "w") as f:
-            json.dump(batches.state(), f)
+            json.dump(batches.state(self.trainer.lr_scaler), f)
         os.replace(path + ".tmp", path)
 
     def on_train_end(self, args, state, control, **kwargs):

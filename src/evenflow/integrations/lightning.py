@@ -37,7 +37,8 @@ Written against lightning 2.6. How each Lightning mechanism is kept exact:
   step Lightning's loggers repeat the last real value, never the placeholder's).
 - Resume: the train loader implements ``state_dict``/``load_state_dict``, which Lightning saves in the fit loop
   state. Lightning writes checkpoints from rank 0 only, so the state gathers every rank's position (collective;
-  Lightning builds checkpoints on all ranks). Lightning fetches one batch ahead, so the loader has already
+  Lightning builds checkpoints on all ranks); resuming on another number of devices re-deals the untrained
+  rest of the epoch. Lightning fetches one batch ahead, so the loader has already
   handed out batch ``b + 1`` when batch ``b`` is checkpointed: the state excludes every window that ends after
   the batch being trained (reported by the DataModule's ``on_before_batch_transfer`` hook).
 - Batch transfer: Lightning's ``apply_to_collection`` refuses frozen dataclasses, so the DataModule's
@@ -61,7 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..lr import TokenLRRule, TokenLRScaler
 from ..runtime.loader import DynamicBatchLoader
-from .states import gather_states, pick_state
+from .states import gather_states, resume_epoch
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo, scale_loss
 from .evaluation import eval_loader
 from .lightning_logs import EvenflowModule, EvenflowProgressBar
@@ -147,9 +148,9 @@ class _TrainBatches:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
             raise ValueError("evenflow loader state: wrong version (saved by an incompatible evenflow release)")
-        mine = pick_state(state["ranks"])
-        self.loader.load_state_dict(mine)
-        self.epoch = mine["epoch"] + (1 if mine["finished"] else 0)
+        states = list(state["ranks"])
+        self.loader.load_state_dict(states)  # another number of ranks: the rest of the epoch is re-dealt
+        self.epoch = resume_epoch(states)
 
 
 class DynamicBatchDataModule(L.LightningDataModule):
@@ -236,7 +237,8 @@ class EvenflowCallback(L.Callback):
     ``lr_scaling="sqrt"`` / ``"linear"`` (or a :class:`evenflow.TokenLRRule`) also scales every optimizer step's
     LR by its window's global supervised tokens (evenflow.lr), relative to ``reference_tokens`` -- by default the
     DataModule's ``token_budget x trainer.world_size x accumulate_grad_batches``. LR schedulers keep stepping the
-    unscaled LR. The scalers (one per optimizer) are ``callback.lr_scalers``.
+    unscaled LR. The scalers (one per optimizer) are ``callback.lr_scalers``; their references are saved in the
+    checkpoint and kept on resume, also on another number of devices.
     """
 
     def __init__(self, *, lr_scaling: TokenLRRule | str | None = None) -> None:
@@ -246,6 +248,15 @@ class EvenflowCallback(L.Callback):
         """Every logged summary (also on ranks that do not write to a logger)."""
         self.lr_rule = TokenLRRule.coerce(lr_scaling)
         self.lr_scalers: list[TokenLRScaler] = []
+        self._saved_lr: list[dict] = []  # from a checkpoint: the references the run was saved with
+
+    def state_dict(self) -> dict:
+        """Saved in Lightning checkpoints: each scaler's reference, kept when the run resumes on another number of
+        devices (the default reference would follow the new world size)."""
+        return {"lr_scalers": [scaler.state_dict() for scaler in self.lr_scalers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._saved_lr = list(state_dict.get("lr_scalers", []))
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.metrics = StepMetrics()
@@ -262,6 +273,9 @@ class EvenflowCallback(L.Callback):
         self._remove_lr_rule()
         self.lr_scalers = [TokenLRScaler(opt, scaling=self.lr_rule.scaling, reference_tokens=reference)
                            for opt in trainer.optimizers]
+        if self._saved_lr and len(self._saved_lr) == len(self.lr_scalers):
+            for scaler, saved in zip(self.lr_scalers, self._saved_lr):
+                scaler.load_state_dict(saved)
 
     def _remove_lr_rule(self) -> None:
         for scaler in self.lr_scalers:

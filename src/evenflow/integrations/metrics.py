@@ -84,6 +84,11 @@ class StepMetrics:
         self.imbalance_max = max(self.imbalance_max, info.imbalance)
         self._last = info
 
+    def resumed(self, epoch: int, samples_done: int) -> None:
+        """The run resumed ``epoch`` with ``samples_done`` of its samples already trained (all ranks, before the
+        checkpoint): ``epoch_progress`` continues from there instead of restarting at 0."""
+        self._epoch, self._epoch_done = epoch, samples_done
+
     def _progress(self, last: StepInfo) -> float:
         if self.epoch_samples:
             return min(self._epoch_done / self.epoch_samples, 1.0)

@@ -10,7 +10,8 @@ NOTE [ Who owns a moved sample ]
     consumed when its own trainer passes the step the sample was trained at (ranks are in lockstep), so
     ``state_dict()`` stays per rank and ``load_state_dict()`` is not collective: each rank resumes its own
     stream minus what it owns and was consumed. Example: rank 0's index 42 trained on rank 1 at step 7 is
-    committed by rank 0 after step 7.
+    committed by rank 0 after step 7. On another number of ranks the union of those remainders is re-dealt
+    (NOTE [ Re-dealing a resumed epoch ] in redeal.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from .collator import EpochPipeline, Handoff, Release, SampleSpec
 from .comm import resolve_topology
 from .faults import sample_of
 from .loader_config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
-from .loader_state import STATE_VERSION, _check_saved_by, _fingerprint, _validated
+from .loader_state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
 from .loader_stream import _carried, _continued, _fetch_error, _Keyed, _Numbered
 from .planning import PlanningChoice, setup_planning
 from .resume import key_order
@@ -56,7 +56,8 @@ class DynamicBatchLoader:
     Guarantees (each tested with real gloo processes): every rank yields the same number of batches per
     epoch; with ``join=True`` every sample of the epoch is yielded exactly once across ranks (ranks that run
     dry yield IDLE batches); no batch exceeds a budget; ``scale_loss`` gives the exact global per-token
-    loss; ``state_dict``/``load_state_dict`` resume without loss or repetition; errors on any rank end the
+    loss; ``state_dict``/``load_state_dict`` resume without loss or repetition (on another number of ranks
+    too, from the list of every rank's state: NOTE [ Re-dealing a resumed epoch ]); errors on any rank end the
     epoch on every rank within one round (peers raise :class:`evenflow.PeerError`; a rank that leaves its
     loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in faults.py). Use
     ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an error.
@@ -204,6 +205,8 @@ class DynamicBatchLoader:
         self._resumed_epoch: int | None = None  # the epoch last resumed mid-way (not planned ahead)
         self._entered = False             # inside `with loader:` (NOTE [ Early stops ])
         self._keys: list = []             # this epoch's sample keys in stream order (map-style)
+        self._stream: list | None = None  # a re-dealt epoch's keys, else None: the shard (NOTE [ Re-dealing ...
+        #                                   a resumed epoch ] in redeal.py)
         self._finished = False            # the current epoch ran to its end
         self._bound = -1                  # steps_bound of the last yielded batch
         self._pipeline: EpochPipeline | None = None
@@ -348,16 +351,22 @@ class DynamicBatchLoader:
             "carry": list(self._carry),
             "next_carry": list(self._next_carry),
             "consumed": sorted(self._consumed, key=key_order),
+            "stream": None if self._stream is None else list(self._stream),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Resume from :meth:`state_dict` (local to this rank). The next ``iter()`` continues that epoch."""
-        _check_saved_by(state, world_size=self.world_size, rank=self.rank,
-                        token_budget=self.config.grouping.token_budget, fingerprint=self.fingerprint,
-                        planning=self.planning, planning_group=self._planning.size)
-        state = _validated(state, dataset=self.dataset, iterable=self.streams.iterable, rank=self.rank,
-                           world_size=self.world_size, seed=self.config.seed, shuffle=self.config.shuffle,
-                           num_workers=self.num_workers, dropping=self.config.grouping.oversize == "drop")
+    def load_state_dict(self, state: Mapping | Sequence[Mapping]) -> None:
+        """Resume from :meth:`state_dict`. The next ``iter()`` continues that epoch. Not collective.
+
+        ``state``: this rank's own state (the same number of ranks resumes, each rank its own epoch), or the
+        list of *every* saved rank's state, which every rank passes alike: on the same number of ranks each
+        takes its own; on another number the untrained remainder of the epoch is re-dealt to the new ranks,
+        identically on each (map-style datasets; NOTE [ Re-dealing a resumed epoch ] in
+        evenflow.runtime.redeal). An ``IterableDataset`` resumes on another number of ranks only from a state
+        saved at an epoch end: its stream positions belong to the rank that read them.
+        """
+        state = resume_state(state, ResumeContext(
+            config=self.config, world_size=self.world_size, rank=self.rank, dataset=self.dataset,
+            iterable=self.streams.iterable, num_workers=self.num_workers))
         self._stop_epoch()
         self._pending_state = dict(state)
         self._epoch = state["epoch"]
@@ -396,9 +405,9 @@ class DynamicBatchLoader:
     def _begin_state(self) -> tuple[list, set]:
         """This epoch's carried keys and already-consumed keys, from a pending resume state or the last pass."""
         state, self._pending_state = self._pending_state, None
-        self._resume = NO_VALUE
+        self._resume, self._stream = NO_VALUE, None
         if state is not None and not state["finished"]:
-            self._resume = 2 * state["step"]
+            self._resume, self._stream = 2 * state["step"], state["stream"]
             self._resumed_epoch = state["epoch"]
             return list(state["carry"]), set(state["consumed"])
         if state is not None:  # that epoch was complete: start the next pass with what it carried
@@ -416,8 +425,9 @@ class DynamicBatchLoader:
             self._iterable_stream = raw
             self._keys = []
             return _Numbered(self, raw), None, frozenset(consumed)
-        shard = shard_indices(len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch,
-                              seed=self.config.seed, shuffle=self.config.shuffle)
+        shard = self._stream if self._stream is not None else shard_indices(
+            len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch, seed=self.config.seed,
+            shuffle=self.config.shuffle)
         # Carried keys are (epoch, index) pairs, so a carried index that is also in this epoch's shard (of this
         # rank or, with balance=True, of another) is a second, distinct sample-epoch, never deduplicated away.
         keys = [k for k in carry + shard if k not in consumed]

@@ -1,27 +1,43 @@
-"""Whether a saved loader state may resume on this loader (``DynamicBatchLoader.load_state_dict``), and the
-configuration fingerprint it is compared by.
+"""Whether saved loader states may resume on this loader (``DynamicBatchLoader.load_state_dict``), the
+configuration fingerprint they are compared by, and the state this rank resumes from.
 
-Refused in the order a user hits the problem, each time naming the fix: a state of another evenflow release
-(``version``), a malformed one (:func:`~evenflow.runtime.resume.check_schema`), one saved by another job shape
-(world size, rank), another ``token_budget`` or configuration (the fingerprint), another dataset (sample count),
-keys its saved epoch never held (:func:`~evenflow.runtime.resume.validate_state`), and an IterableDataset in
-quota mode stopped mid-stream. The loader changes nothing before every check passed.
+``load_state_dict`` takes one rank's state (that rank resumes its own epoch, same world size) or the list of
+every saved rank's state (any world size: at another one, the untrained remainder is re-dealt, NOTE
+[ Re-dealing a resumed epoch ] in evenflow.runtime.redeal). Refused in the order a user hits the problem,
+each time naming the fix: something that is not a state (a path, a trainer's checkpoint file, a wrapper
+holding the states), a state of another evenflow release (``version``), a malformed one
+(:func:`~evenflow.runtime.resume.check_schema`), a list that is not one checkpoint (a rank missing or twice,
+different steps, epochs, budgets or configurations: :func:`~evenflow.runtime.redeal.check_world`), another
+``token_budget`` or configuration (the fingerprint), another dataset (sample count), keys a saved epoch
+never held (:func:`~evenflow.runtime.resume.validate_state`), an IterableDataset in quota mode stopped
+mid-stream, and an IterableDataset stopped mid-epoch resumed on another number of ranks. The loader changes
+nothing before every check passed.
+
+What may change on resume is the job shape: the world size, the policy ``planning="auto"`` resolves to, and
+the default ``planning_group``. A state is compared with the fingerprint this loader's own arguments give *at
+the saved world size*, so only an argument the user changed is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
 from ..planning.alignment import config_fingerprint
 from .loader_config import LoaderConfig
+from .planning import default_planning_group, resolve_planning
+from .redeal import check_world, redeal
 from .resume import check_schema, validate_state
 from .source import shard_indices
 
-__all__ = ["STATE_VERSION"]
+__all__ = ["STATE_VERSION", "ResumeContext", "resume_state", "shape_at"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+"""3 added ``stream`` (a re-dealt epoch's keys); version-2 states are read as ``stream=None``."""
+_READABLE = (2, 3)
 
 
 def _fingerprint(config: LoaderConfig, world_size: int, planning: str, planning_group: int) -> int:
@@ -30,42 +46,139 @@ def _fingerprint(config: LoaderConfig, world_size: int, planning: str, planning_
                               config.loss_tokens, config.balance, world_size, planning, planning_group)
 
 
-def _check_saved_by(state: Mapping, *, world_size: int, rank: int, token_budget: int, fingerprint: int,
-                    planning: str, planning_group: int) -> None:
-    """Refuse a state this loader could not have saved: another release, job shape, budget or configuration."""
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-        raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by "
-                         "an incompatible evenflow release")
+def shape_at(config: LoaderConfig, world_size: int) -> tuple[str, int]:
+    """(policy, planning group) this configuration runs at ``world_size`` (``"auto"`` and the default group
+    resolved there, as :func:`~evenflow.runtime.planning.setup_planning` does)."""
+    policy = resolve_planning(config.planning, world_size, balance=config.balance,
+                              planning_group=config.planning_group)
+    group = default_planning_group(world_size) if config.planning_group is None else config.planning_group
+    return policy, group
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeContext:
+    """What a loader resuming a state is: its job shape, configuration and data."""
+
+    config: LoaderConfig
+    world_size: int
+    rank: int
+    dataset: Dataset
+    iterable: bool
+    num_workers: int
+
+    def fingerprint_at(self, world_size: int) -> int:
+        return _fingerprint(self.config, world_size, *shape_at(self.config, world_size))
+
+
+_ONE_COPY = (". A checkpoint that keeps one copy of a value saved under one key on every rank "
+             "(torch.distributed.checkpoint) must hold LoaderCheckpoint(loader) (evenflow.integrations), which gathers "
+             "every rank's state, not the loader itself")
+
+
+def resume_state(saved: object, ctx: ResumeContext) -> dict:
+    """The normalized state this rank resumes from, or ValueError naming what is wrong and the fix.
+
+    ``saved``: one rank's state (same world size: this rank's own) or the list of every saved rank's state (any
+    world size; every new rank passes the same list).
+    """
+    if isinstance(saved, Mapping) or not isinstance(saved, Sequence) or isinstance(saved, (str, bytes)):
+        state = _as_state(saved)
+        if state["world_size"] != ctx.world_size:
+            raise ValueError(f"cannot resume: this is rank {state['rank']}'s state of a job with world_size="
+                             f"{state['world_size']}, and this job has {ctx.world_size} ranks; to resume on another "
+                             f"number of ranks pass every saved rank's state, on every new rank: "
+                             f"loader.load_state_dict([state_0, ..., state_{state['world_size'] - 1}]){_ONE_COPY}")
+        if state["rank"] != ctx.rank:
+            raise ValueError(f"state of rank {state['rank']} loaded on rank {ctx.rank}; load each rank's own state "
+                             f"(or pass the list of every rank's state){_ONE_COPY}")
+        _check_config(state, ctx)
+        return _validated(state, ctx)
+    states = [_as_state(s, f" (entry {i} of the list)") for i, s in enumerate(saved)]
+    if not states:
+        raise ValueError("cannot resume: load_state_dict got an empty list; pass every saved rank's state")
+    states = check_world(states)
+    _check_config(states[0], ctx)
+    states = [_validated(s, ctx) for s in states]
+    if states[0]["world_size"] == ctx.world_size:
+        return states[ctx.rank]  # same job shape: each rank resumes its own epoch, as with a single state
+    if ctx.iterable and not (states[0]["finished"] and not any(s["next_carry"] for s in states)):
+        raise ValueError(
+            f"cannot resume this IterableDataset on {ctx.world_size} ranks from a state of {states[0]['world_size']} "
+            f"ranks saved mid-epoch (epoch {states[0]['epoch']}, step {states[0]['step']}): an IterableDataset is "
+            "each rank's own stream (you shard it by rank), so a saved stream position belongs to the rank that "
+            "read it and no other rank can continue it. Resume on the same number of ranks, or from a checkpoint "
+            "taken at an epoch end (join=True), or use a map-style dataset (the loader re-deals its remainder)")
+    return redeal(states, rank=ctx.rank, world_size=ctx.world_size,
+                  num_samples=0 if ctx.iterable else len(ctx.dataset), seed=ctx.config.seed, shuffle=ctx.config.shuffle)
+
+
+def _as_state(obj: object, where: str = "") -> dict:
+    """``obj`` as a schema-checked state of this release, or ValueError saying what it is and what to pass."""
+    expected = ("expected the dict returned by DynamicBatchLoader.state_dict(), or the list of every rank's such "
+                "dict")
+    if isinstance(obj, (str, bytes, os.PathLike)):
+        raise ValueError(f"cannot resume: load_state_dict got a {type(obj).__name__}{where} ({str(obj)[:60]!r}), "
+                         f"{expected}; if it names a file, load it first (json.load / torch.load)")
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"cannot resume: load_state_dict got a {type(obj).__name__}{where}, {expected}")
+    keys = set(obj)
+    if "loader" in keys and "fingerprint" not in keys:
+        raise ValueError(f"cannot resume: this{where} is the content of a DynamicBatchTrainer checkpoint file "
+                         "(evenflow_loader_rank<r>.json: {'version', 'loader', ...}), not a loader state; pass its "
+                         "'loader' entry (or every rank's file's 'loader' entries as a list), or resume through "
+                         "DynamicBatchTrainer.train(resume_from_checkpoint=...)")
+    if "ranks" in keys and "fingerprint" not in keys:
+        raise ValueError(f"cannot resume: this{where} is an evenflow checkpoint wrapper ({{'version', 'ranks'}}, "
+                         "saved by LoaderCheckpoint or the Lightning data module), not a loader state; pass its "
+                         "'ranks' list, or load it through the object that saved it")
+    if "version" not in keys or "fingerprint" not in keys:
+        raise ValueError(f"cannot resume: the mapping{where} is not an evenflow loader state (its keys: "
+                         f"{sorted(map(str, keys))[:8]}); {expected}")
+    version = obj["version"]
+    if version not in _READABLE or isinstance(version, bool):
+        raise ValueError(f"cannot resume: loader state version {version!r}{where} was saved by an incompatible "
+                         f"evenflow release (this one reads versions {list(_READABLE)}); resume with the release "
+                         "that saved it, or start the epoch afresh")
+    state = dict(obj)
+    if version == 2 and "stream" not in state:
+        state.update(version=STATE_VERSION, stream=None)
     check_schema(state)  # fields and types first: the checks below read them
-    if state["world_size"] != world_size:
-        raise ValueError(f"cannot resume: the state was saved with world_size={state['world_size']} but this "
-                         f"job has {world_size}; each rank's shard would change. Resume with the same "
-                         "data-parallel degree, or start the epoch afresh")
-    if state["rank"] != rank:
-        raise ValueError(f"state of rank {state['rank']} loaded on rank {rank}; load each rank's own state")
+    return state
+
+
+def _check_config(state: Mapping, ctx: ResumeContext) -> None:
+    """Refuse another budget or configuration: compared at the saved world size (only explicit arguments)."""
+    token_budget = ctx.config.grouping.token_budget
     if state["token_budget"] != token_budget:
         raise ValueError(f"cannot resume: token_budget changed from {state['token_budget']} to "
                          f"{token_budget}; resume with the saved budget")
-    if state["fingerprint"] != fingerprint:
+    world = state["world_size"]
+    if state["fingerprint"] != ctx.fingerprint_at(world):
+        policy, group = shape_at(ctx.config, world)
+        at = "" if world == ctx.world_size else f" at the saved world size {world}"
         raise ValueError("cannot resume: the loader configuration (seed, shuffle, budgets, buffer_size, join, "
                          "grad_accum_steps, balance, planning policy and planning_group) differs from the saved "
-                         f"one; this loader runs planning={planning!r} (planning_group="
-                         f"{planning_group}). Use the saved configuration (a state saved while "
-                         "planning='local' was the default needs planning='local')")
+                         f"one; this loader runs planning={policy!r} (planning_group={group}){at}. Use the saved "
+                         "configuration (a state saved while planning='local' was the default needs "
+                         "planning='local'; the world size, what planning='auto' resolves to and the default "
+                         "planning_group may change)")
 
 
-def _validated(state: Mapping, *, dataset: Dataset, iterable: bool, rank: int, world_size: int, seed: int,
-               shuffle: bool, num_workers: int, dropping: bool) -> dict:
+def _validated(state: Mapping, ctx: ResumeContext) -> dict:
     """The normalized copy of ``state`` (:func:`~evenflow.runtime.resume.validate_state`), once it fits the data."""
+    dataset, iterable = ctx.dataset, ctx.iterable
     if not iterable and state["num_samples"] != len(dataset):
-        raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(dataset)}")
+        raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(dataset)}; "
+                         "resume with the dataset the state was saved with")
     shard = None
-    if not iterable:  # the shard of the saved epoch: consumed and carried keys must come from it
-        shard = shard_indices(len(dataset), rank=rank, world_size=world_size, epoch=state["epoch"],
-                              seed=seed, shuffle=shuffle)
+    if not iterable:  # what the saved epoch held: its re-dealt stream, else its shard (consumed keys come from it)
+        shard = state["stream"] if state["stream"] is not None else shard_indices(
+            len(dataset), rank=state["rank"], world_size=state["world_size"], epoch=state["epoch"],
+            seed=ctx.config.seed, shuffle=ctx.config.shuffle)
     state = validate_state(state, num_samples=None if iterable else len(dataset), shard=shard,
-                           num_workers=num_workers, dropping=dropping)
+                           num_workers=ctx.num_workers, dropping=ctx.config.grouping.oversize == "drop")
     if iterable and not state["join"] and (state["carry"] or state["consumed"]):
         raise ValueError("cannot resume an IterableDataset in quota mode (join=False) mid-stream: its carried "
                          "samples live in memory only; resume at an epoch boundary or use join=True")
     return state
+

@@ -7,7 +7,8 @@ this rank's epoch never held, ``finished`` inconsistent with what was consumed a
 IterableDataset resumed with another ``num_workers`` (its keys are stream positions, which depend on how
 workers interleave). What one rank cannot see -- a torn checkpoint (rank 0 from step 3, rank 1 from step 6)
 or a state loaded on some ranks only -- is refused in the epoch's first exchange, where every rank reports
-``2 * step + finished`` of its state (``RankReport.resume``).
+``2 * step + finished`` of its state (``RankReport.resume``). A list of every rank's state (resume on any number
+of ranks) is checked as one checkpoint at load time instead (evenflow.runtime.redeal.check_world).
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ __all__ = ["STATE_FIELDS", "check_schema", "validate_state", "key_order", "as_ke
 STATE_FIELDS = {
     "version": int, "fingerprint": int, "world_size": int, "rank": int, "token_budget": int,
     "num_samples": (int, type(None)), "join": bool, "epoch": int, "finished": bool, "step": int,
-    "num_workers": int, "carry": list, "next_carry": list, "consumed": list,
+    "num_workers": int, "carry": list, "next_carry": list, "consumed": list, "stream": (list, type(None)),
 }
+"""``stream``: None (the rank reads its shard of the epoch) or the keys dealt to it when the epoch was resumed on
+another number of ranks (NOTE [ Re-dealing a resumed epoch ] in evenflow.runtime.redeal)."""
+
+_INT_LIMIT = 2 ** 62
+"""No real counter comes near it; beyond it ``2 * step + 1`` would not fit the int64 round report."""
 
 
 def key_order(key: object) -> tuple:
@@ -56,11 +62,26 @@ def check_schema(state: Mapping) -> None:
             isinstance(value, (bool, np.bool_)))
         if kind == (int, type(None)):
             ok = value is None or _is_int(value)
+        if kind == (list, type(None)):
+            ok = value is None or isinstance(value, (list, tuple))
         if not ok:
             raise ValueError(f"cannot resume: state[{name!r}] is {type(value).__name__} {value!r:.60}, expected "
-                             f"{getattr(kind, '__name__', 'int or None')}; the state was modified or corrupted")
+                             f"{_kind_name(kind)}; the state was modified or corrupted")
     if state["epoch"] < 0 or state["step"] < 0:
         raise ValueError(f"cannot resume: negative epoch {state['epoch']} or step {state['step']} in the state")
+    for name in ("epoch", "step", "world_size", "rank", "token_budget", "num_samples", "num_workers"):
+        if state[name] is not None and abs(state[name]) >= _INT_LIMIT:
+            raise ValueError(f"cannot resume: state[{name!r}] is {state[name]}, beyond any real run (>= 2**62); the "
+                             "state was modified or corrupted")
+    if state["world_size"] < 1 or not 0 <= state["rank"] < state["world_size"]:
+        raise ValueError(f"cannot resume: state says rank {state['rank']} of world_size {state['world_size']}; "
+                         "the state was modified or corrupted")
+
+
+def _kind_name(kind) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join("None" if k is type(None) else k.__name__ for k in kind)
+    return kind.__name__
 
 
 def _check_keys(name: str, keys: Sequence, valid) -> None:
@@ -78,13 +99,15 @@ def validate_state(state: Mapping, *, num_samples: int | None, shard: Sequence[i
                    num_workers: int, dropping: bool = False) -> dict:
     """Return a normalized copy of ``state`` or raise ValueError naming what is wrong.
 
-    ``num_samples``/``shard``: ``len(dataset)`` and this rank's shard of the state's epoch (map-style), or None
+    ``num_samples``/``shard``: ``len(dataset)`` and the state's rank's shard of its epoch -- or the explicit
+    ``stream`` it was dealt (map-style), or None
     (iterable: keys are stream positions, only their form can be checked). ``dropping``: ``oversize="drop"``,
     whose dropped samples are neither consumed nor carried (the ``finished`` check is then skipped).
     """
     check_schema(state)
     out = dict(state)
-    for name in ("carry", "next_carry", "consumed"):
+    names = ("carry", "next_carry", "consumed") + (("stream",) if state["stream"] is not None else ())
+    for name in names:
         out[name] = [as_key(k) for k in state[name]]
     if num_samples is None:
         if state["num_workers"] != num_workers:
@@ -100,10 +123,10 @@ def validate_state(state: Mapping, *, num_samples: int | None, shard: Sequence[i
             if isinstance(k, tuple):
                 return _is_int(k[0]) and 0 <= k[0] <= state["epoch"] and _is_int(k[1]) and 0 <= k[1] < num_samples
             return _is_int(k) and 0 <= k < num_samples
-    for name in ("carry", "next_carry", "consumed"):
+    for name in names:
         _check_keys(name, out[name], valid)
     if shard is not None:
-        _check_epoch_keys(out, shard, dropping)
+        _check_epoch_keys(out, out["stream"] if out["stream"] is not None else shard, dropping)
     return out
 
 
