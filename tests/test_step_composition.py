@@ -156,3 +156,36 @@ def test_small_buffer_keeps_the_mix():
     old = step_composition(global_schedule(ls, world_size=2, grouping=GroupingConfig(token_budget=4096),
                                            alignment=AlignmentConfig(buffer_size=128), mix="cost_order"), ls)
     assert c["H_g"] < old["H_g"] and abs(c["late"] - 0.25) <= 0.05, (c, old)
+
+
+# -- states saved before issue 18 ---------------------------------------------------------------------------
+
+def _resume_pre18(rank, world, path):
+    import json
+
+    import evenflow
+    from loader_scenarios import BUDGET, TokenDataset
+
+    saved = json.loads(open(path).read())
+    loader = evenflow.DynamicBatchLoader(TokenDataset(saved["n"]), token_budget=BUDGET, buffer_size=32, seed=7)
+    loader.load_state_dict(saved["ranks"][rank]["state"])
+    loader.set_epoch(1)
+    after = [i for batch in loader for i in evenflow.pop_step_info(batch).sample_ids]
+    loader.close()
+    return after
+
+
+@pytest.mark.multiprocess
+def test_a_state_saved_by_the_pre_issue_18_planner_resumes_exactly_once():
+    # tests/data/pre18_states.json: 2 ranks of evenflow at fbdadc2 (cost-order global planning) stopped at step 4
+    # of epoch 1; what they trained before is recorded. Today's planner finishes the epoch: nothing lost or twice.
+    import json
+    from pathlib import Path
+
+    from _dist import run_world
+
+    path = Path(__file__).with_name("data") / "pre18_states.json"
+    saved = json.loads(path.read_text())
+    after = run_world(_resume_pre18, saved["world"], str(path), timeout=120)
+    trained = [i for r in saved["ranks"] for i in r["trained"]] + [i for r in after for i in r]
+    assert sorted(trained) == list(range(saved["n"]))
