@@ -192,15 +192,33 @@ def sc_oversize(rank, world):
     return "no error"
 
 
-def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None):
+class SlowStart:
+    """A worker_init_fn that sleeps: workers that start slowly (a loaded machine, a heavy import)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, worker_id: int) -> None:
+        time.sleep(self.seconds)
+
+
+def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None, peer_start_s=0.0):
     """kind: 'worker' (rank 1's worker raises), 'bad' (rank 1 gets a bad sample), 'exit' (rank 1 dies after
-    ``die_at`` batches). ``loader_kwargs`` override the loader's (planning, balance...)."""
+    ``die_at`` batches). ``loader_kwargs`` override the loader's (planning, balance...). ``peer_start_s``: the
+    other ranks' workers take this long to start (the fault must not depend on how fast workers start)."""
     n = 200
     # shuffle=False: index i lives on rank i % world, so index 1 (and 1 + world) is rank 1's.
     ds = TokenDataset(n, fail_at=1 + 3 * world if kind == "worker" else None,
                       bad_at=1 + 3 * world if kind == "bad" else None)
-    kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=1 if kind == "worker" else 0, shuffle=False,
-                  timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)) | (loader_kwargs or {})
+    # Worker faults wait for real workers: their bounds leave room for a slow start on a loaded machine (the
+    # fault itself is raised by the worker, so nothing waits for the bounds when all goes well).
+    bounds = (dict(timeout=timedelta(seconds=300), worker_timeout=timedelta(seconds=240)) if kind == "worker"
+              else dict(timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)))
+    workers, slow = (1, SlowStart(peer_start_s) if rank != 1 and peer_start_s else None) if kind == "worker" else (0, None)
+    if kind == "slow_start" and rank == 1:  # rank 1's only worker is still starting when worker_timeout passes
+        bounds, workers, slow = dict(timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=1)), 1, SlowStart(4.0)
+    kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=workers, shuffle=False, worker_init_fn=slow,
+                  **bounds) | (loader_kwargs or {})
     loader = evenflow.DynamicBatchLoader(ds, **kwargs)
     steps = 0
     try:
@@ -211,6 +229,8 @@ def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None):
                 os._exit(3)
     except Exception as exc:  # noqa: BLE001
         return dict(error=f"{type(exc).__name__}: {exc}", steps=steps)
+    finally:
+        loader.close()
     return dict(error=None, steps=steps)
 
 
