@@ -28,7 +28,7 @@ bench: $(VENV)/.installed-demo
 # Randomized soak of the loader's guarantees (issue 10): >= 1,000 pooled + >= 100 fresh-process
 # configurations on real gloo worlds; prints one JSON line last (lost, duplicated, hangs, ...).
 soak: $(VENV)/.installed-test
-	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 5400
+	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 1800
 
 check-protocol: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/test_model_checker.py

@@ -214,9 +214,12 @@ def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None, peer_start_s=0.0):
     # fault itself is raised by the worker, so nothing waits for the bounds when all goes well).
     bounds = (dict(timeout=timedelta(seconds=300), worker_timeout=timedelta(seconds=240)) if kind == "worker"
               else dict(timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)))
-    workers, slow = (1, SlowStart(peer_start_s) if rank != 1 and peer_start_s else None) if kind == "worker" else (0, None)
+    workers, slow = 0, None
+    if kind == "worker":
+        workers, slow = 1, SlowStart(peer_start_s) if rank != 1 and peer_start_s else None
     if kind == "slow_start" and rank == 1:  # rank 1's only worker is still starting when worker_timeout passes
-        bounds, workers, slow = dict(timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=1)), 1, SlowStart(4.0)
+        bounds = dict(timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=1))
+        workers, slow = 1, SlowStart(4.0)
     kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=workers, shuffle=False, worker_init_fn=slow,
                   **bounds) | (loader_kwargs or {})
     loader = evenflow.DynamicBatchLoader(ds, **kwargs)
@@ -737,9 +740,13 @@ def sc_moved(rank, world, kind, tmp=None):
                                              planning=policy, **bounds)
         total, _ = _loop(loader)
         out = dict(total=total, stops=[])
+        def body(step):
+            if rank == 1 and step >= stop_at - 2:
+                time.sleep(0.3)  # rank 1 trains slowly at the end: its peers' pipelines finish the epoch first
+            return "break" if rank == 1 and step == stop_at else None
         for back in (3, 2, 1):
             stop_at = total - back
-            steps, exc = _loop(loader, (lambda step: "break" if rank == 1 and step == stop_at else None))
+            steps, exc = _loop(loader, body)
             out["stops"].append(dict(stop_at=stop_at, **_outcome(steps, exc)))
         loader.close()
         return out

@@ -15,6 +15,7 @@ NOTE [ Who owns a moved sample ]
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class StepRebalancer:
         table = self.exchange.all_gather(mine.ravel()).reshape(self.world, width, max(n_max, 1), fields)
         plans = [self._plan_step(table[:, s], counts[:, s, 0]) for s in range(target)]
         # Exchange 4: one all-to-all of the samples that change rank.
+        started = time.perf_counter()
         outgoing, dest, error, error_key = self._serialize(plans, slots)
         if any(d != src for plan in plans for d, group in enumerate(plan) for src, _ in group):
             # Something moves this round (every rank knows from the plans): agree that every sender could
@@ -112,6 +114,8 @@ class StepRebalancer:
                         key = (src, item.key) if self.pair_keys else item.key
                         self.payloads[key] = sample
                         incoming[(s, src, j)] = Item(key, item.length, item.loss_tokens, item.extra)
+        if received or outgoing:
+            self.moves.timed(time.perf_counter() - started)
         new_slots, owned, sources = [], [], []
         padded = np.zeros((target, self.world), dtype=np.int64)
         for s, plan in enumerate(plans):

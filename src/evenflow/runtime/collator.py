@@ -239,10 +239,12 @@ def default_batch_check(grouping: GroupingConfig) -> Callable[[Mapping, list, li
     length, or one padded row): larger than the budget means a ``length_fn`` that under-reports a sample.
 
     >>> check = default_batch_check(GroupingConfig(token_budget=8))
-    >>> check({"input_ids": torch.zeros(2, 6)}, [Item(3, 1), Item(4, 6)], [{"input_ids": [0] * 6}] * 2)
+    >>> check({"input_ids": torch.zeros(2, 6)}, [Item(3, 1), Item(4, 6)],
+    ...       [{"input_ids": [0] * 6}] * 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: the default collate built a batch of 12 tokens (2 x 6) for samples [3, 4], over token_budget=8: length_fn returned 1 for sample 3 but its 'input_ids' holds 6 tokens. Under the default collates length_fn must return at least len(input_ids) (add what else a sample costs, e.g. image tokens, on top of it), or pass a collate_fn of your own that builds what length_fn measures
+    ValueError: the default collate built a batch of 12 tokens (2 x 6) for samples [3, 4], over token_budget=8: \
+length_fn returned 1 for sample 3 but its 'input_ids' holds 6 tokens. ...
     """
     def check(batch: Mapping, items: list, samples: list) -> None:
         ids = batch.get("input_ids")
@@ -494,7 +496,8 @@ class EpochPipeline(threading.Thread):
         planner, calls = self.planner, self.calls
         while self.error is None and not planner.full and not self.exhausted:
             key = self.key_at(self.pulled)
-            calls.mark("the stream's next sample", key, fetch=True, bounded=not self.workers)
+            calls.mark(f"dataset (__getitem__/__iter__) on {_named(key, 'the next sample')}", key, fetch=True,
+                       bounded=not self.workers)
             try:
                 key, sample = next(self.stream)
             except StopIteration:
@@ -513,7 +516,7 @@ class EpochPipeline(threading.Thread):
                 self.exhausted = True  # all indices read: no need to wait for StopIteration
             if key in self.skip:
                 continue  # consumed before a resume (iterable replay)
-            calls.mark(self.spec.user_calls, key)
+            calls.mark(f"{self.spec.user_calls} on {_named(key, 'a sample')}", key)
             try:
                 length, tokens, resources = self.spec.measure(key, sample)
                 kept = planner.add(key, length, loss_tokens=tokens, extra=resources)
@@ -567,15 +570,15 @@ class EpochPipeline(threading.Thread):
 
     def _bounded_error(self, exc: Stuck | WorkerDied) -> tuple[BaseException, object]:
         what, key = exc.args
-        where = f" for sample index {sample_of(key)}" if sample_of(key) is not None else ""
         if isinstance(exc, WorkerDied):
             err = RuntimeError(
-                f"evenflow: rank {self._rank()}'s {what} died while the loader waited for a sample{where}: it was "
-                "killed (the out-of-memory killer sends SIGKILL; see the kernel log, e.g. `dmesg`) or it exited. "
-                "Lower the memory the pipeline needs (num_workers=, prefetch_factor=, the size of a sample)")
+                f"evenflow: rank {self._rank()}'s {what} died while the loader waited for "
+                f"{_named(key, 'the next sample')}: it was killed (the out-of-memory killer sends SIGKILL; see the "
+                "kernel log, e.g. `dmesg`) or it exited. Lower the memory the pipeline needs (num_workers=, "
+                "prefetch_factor=, the size of a sample)")
         else:
             err = TimeoutError(
-                f"evenflow: rank {self._rank()}'s {what}{where} did not return within "
+                f"evenflow: rank {self._rank()}'s {what} did not return within "
                 f"worker_timeout={self.call_limit.total_seconds():g}s on the collation thread (it blocks, or is "
                 "this slow); every rank stops this epoch. Fix the call, or raise worker_timeout= (and timeout= "
                 "above it) if it is legitimately this slow")
@@ -643,6 +646,10 @@ class EpochPipeline(threading.Thread):
                             steps_bound=p["bound"])
             self.handoff.put(("batch", Release(_attach(p["batch"], info), info, p["owned"])))
         self.pending = []
+
+
+def _named(key: object, otherwise: str) -> str:
+    return f"sample index {sample_of(key)}" if sample_of(key) is not None else otherwise
 
 
 def _attach(batch: object, info: StepInfo) -> object:

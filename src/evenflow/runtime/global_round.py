@@ -36,6 +36,7 @@ already collated -- the loader's fault rule -- not exactly at the first step of 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,7 +132,7 @@ class GlobalRound:
         start, k, me = g.starts[g.index], g.inner.world_size, g.inner.rank
         counts = table[start:start + k, _SAMPLES_COL].astype(np.int64)
         rows, failure = self._gather_metadata(planner, int(counts.max()))  # exchange A
-        buf, plan, home, outgoing, dest = None, [], {}, [], []
+        buf, plan, home, outgoing, dest, packing = None, [], {}, [], [], 0.0
         try:
             buf = _Union.from_rows(rows, counts, self.extra_names)
         except Exception as exc:  # noqa: BLE001 - shared below (NOTE [ Planning failures are shared ])
@@ -143,7 +144,9 @@ class GlobalRound:
                 target = len(plan)
                 mine = [int(buf.pos[i]) for step in plan for slot in step for i in slot if buf.src[i] == me]
                 home = dict(zip(mine, planner.take(mine)))
+                started = time.perf_counter()
                 outgoing, dest, failure = self._serialize(buf, plan, home)
+                packing = time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001
                 failure = (exc, None)
         # Any T >= 1 on a failed round: every rank turns it into an error round below.
@@ -152,7 +155,10 @@ class GlobalRound:
         if len(failed):  # every rank learns it here: the round becomes an error round everywhere
             self._last = _Round([], [], tuple(int(r) for r in failed), failure)
             return [], decision, None
+        started = time.perf_counter()
         received, late = self._move(buf, plan, outgoing, dest)
+        if outgoing:  # this group moved samples
+            self.moves.timed(packing + time.perf_counter() - started)
         if late is not None:  # the collator shares it in exchange 2 (NOTE [ Receiving failures are shared ])
             self._last = None
             return [], decision, late

@@ -109,11 +109,17 @@ class DynamicBatchLoader:
     - ``pad_token_id``: padding id for the default collate.
     - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
     - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
-    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``,
-      a dead worker); the rank then raises naming the sample and its peers raise ``PeerError``. Must be
-      below ``timeout`` so the report reaches peers first; raise both for slow decoding.
+    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``)
+      and on every call into user code on the collation thread (``collate_fn``, ``length_fn``,
+      ``resources_fn``, ``__getitem__`` with ``num_workers=0``); the rank then raises naming the call and the
+      sample, and its peers raise ``PeerError`` in the same round. A worker that dies (the OOM killer) is
+      reported within about a second. Must be below ``timeout`` so the report reaches peers first (with
+      ``num_workers=0`` a larger one is cut to ``timeout / 2``); raise both for slow decoding.
     - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams).
-    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round).
+    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round). Under
+      ``balance=True`` and ``planning="global"`` a sample may train on another rank: it moves as its tensors'
+      own bytes plus a pickle of the rest (:attr:`moves` counts them; NOTE [ Moved samples ] in transfer.py;
+      the ranks of a job must trust each other's pickles, README "Trust model").
     - ``planning``: ``"local"`` (each rank groups its own buffer), ``"global"`` (a planning group's ranks group
       the union of their buffers' metadata; subsumes ``balance``) or ``"auto"`` (default): ``"global"`` when
       2 <= world size <= 64 (or ``planning_group`` is given) and ``balance=False``, else ``"local"`` --

@@ -180,7 +180,7 @@ class StreamOptions:
 
 
 class _NotePid:
-    """The workers' ``worker_init_fn``: note this worker's pid, then run the user's (see :meth:`Streams.dead_workers`)."""
+    """The workers' ``worker_init_fn``: note this worker's pid, then run the user's (:meth:`Streams.dead_workers`)."""
 
     def __init__(self, pids, user_fn) -> None:
         self.pids = pids

@@ -86,6 +86,15 @@ class Moves:
     tensor_bytes: int = 0
     """The own bytes of the plain tensors in those samples (NOTE [ Moved samples ]: ``bytes`` exceeds it by
     the pickled rest and a small header per sample)."""
+    seconds: float = 0.0
+    """Wall time this rank spent moving samples (packing, the all-to-all, unpacking), over all rounds."""
+    max_round_seconds: float = 0.0
+    """The longest one round's move took on this rank (compare with ``timeout``: a move is one collective)."""
+
+    def timed(self, seconds: float) -> None:
+        """Add one round's move time."""
+        self.seconds += seconds
+        self.max_round_seconds = max(self.max_round_seconds, seconds)
 
     def count(self, chunks: list[torch.Tensor], rank: int, packed: list[dict[str, torch.Tensor]]) -> None:
         """Count one all-to-all: ``chunks`` as :func:`evenflow.balance.dispatch.pack_samples` built them."""
