@@ -65,6 +65,7 @@ def sc_extra(rank, world, kind):
 def _moved_rows(kind: str, res: list, started: float) -> list:
     """sc_moved's results as rows: the views and stop_end kinds are not single faults (see their tests)."""
     rows = []
+    t_fault = next((r["t_fault"] for r in res if isinstance(r, dict) and r.get("t_fault")), started)
     for rank, r in enumerate(res):
         if isinstance(r, RankFailed):
             rows.append(dict(rank=rank, sees="process died", after_s=None))
@@ -77,9 +78,8 @@ def _moved_rows(kind: str, res: list, started: float) -> list:
                              for s in r["stops"])
             rows.append(dict(rank=rank, sees=seen, after_s=None, steps=r["total"]))
         else:
-            t0 = r["t_fault"] or started
             rows.append(dict(rank=rank, sees=(r["error"] or "no error")[:160].replace("\n", " "),
-                             after_s=round(r["t_error"] - t0, 2), steps=r["steps"]))
+                             after_s=round(r["t_error"] - t_fault, 2), steps=r["steps"]))
     return rows
 
 

@@ -707,6 +707,7 @@ class NotePid:
 
 def sc_moved(rank, world, kind, tmp=None):
     """One issue-19 fault (``kind``); the faulty rank is 1. Returns _outcome(...) plus kind-specific fields."""
+    t0 = time.time()  # the fault table's "after" for data faults: from the start of the epoch
     bounds = dict(timeout=timedelta(seconds=120), worker_timeout=timedelta(seconds=90))
     kw = dict(token_budget=BUDGET, buffer_size=16, shuffle=False, **bounds)
     policy = "global"
@@ -719,7 +720,7 @@ def sc_moved(rank, world, kind, tmp=None):
         loader = evenflow.DynamicBatchLoader(Tagged(TokenDataset(200), extra), collate_fn=IdsCollate(), **plan, **kw)
         res = _loop(loader)
         loader.close()
-        return _outcome(*res)
+        return _outcome(*res, t0)
     if kind == "views":
         ds = ViewCorpus(200)
         loader = evenflow.DynamicBatchLoader(ds, collate_fn=IdsCollate(), planning="global", **kw)
@@ -758,7 +759,7 @@ def sc_moved(rank, world, kind, tmp=None):
         # The peers train slowly: they still hold ready batches when the failure is known.
         res = _loop(loader, (lambda step: time.sleep(0.05)) if rank != 1 else None)
         loader.close()
-        return _outcome(*res)
+        return _outcome(*res, t0)
     if kind == "group_mismatch":
         t0 = time.time()
         try:
@@ -777,7 +778,7 @@ def sc_moved(rank, world, kind, tmp=None):
                                              **stuck)
         res = _loop(loader)
         loader.close()
-        return _outcome(*res)
+        return _outcome(*res, t0)
     if kind == "kill_worker":
         prefix = f"{tmp}/pid-{rank}"
         loader = evenflow.DynamicBatchLoader(_SlowItems(TokenDataset(600)), token_budget=BUDGET, buffer_size=8,
@@ -798,17 +799,19 @@ def sc_moved(rank, world, kind, tmp=None):
         loader = evenflow.DynamicBatchLoader(TokenDataset(200), length_fn=_length_value(1), planning=policy, **kw)
         res = _loop(loader)
         loader.close()
-        return _outcome(*res)
+        return _outcome(*res, t0)
     if kind.startswith("overflow:"):
         _, what, policy = kind.split(":")
         at = 1 + 5 * world
+        # oversize="alone" keeps the sample (under "error" it is refused as over the budget, under "drop"
+        # dropped): its value then reaches the planner and the exchanges (fbdadc2: a bare OverflowError).
         spec = (dict(length_fn=_length_value(2**63, at if rank == 1 else -1)) if what == "length" else
-                dict(extra_budgets={"num_patches": 64}, oversize="drop",
-                     resources_fn=_resources_value(2**63, at if rank == 1 else -1)))
+                dict(extra_budgets={"num_patches": 64}, resources_fn=_resources_value(2**63, at if rank == 1 else -1)))
+        spec["oversize"] = "alone"
         loader = evenflow.DynamicBatchLoader(TokenDataset(200), planning=policy, **spec, **kw)
         res = _loop(loader)
         loader.close()
-        return _outcome(*res)
+        return _outcome(*res, t0)
     if kind == "quota_len":
         ds = TokenDataset(301)
         ds.lengths[:] = np.where(np.arange(301) % world == 1, 1500, 10)  # rank 1's samples train 1 per batch

@@ -10,8 +10,11 @@ choosing its own groups:
     group's k ranks, with the group's buffers as the union)
     exchange F (world-wide): one flag per rank -- did planning or pickling fail? (NOTE [ Planning failures
     are shared ]); any flag turns the round into an error round on every rank
-    one all-to-all (inside the group) moves the samples that are trained away from home (skipped when none)
-    exchange 2 (as in every round): the post-plan slot counts, so loss denominators stay exact
+    one all-to-all (inside the group) moves the samples that are trained away from home (skipped when none;
+    NOTE [ Moved samples ] in transfer.py: their tensors travel as their own bytes)
+    exchange 2 (as in every round): the post-plan slot counts, so loss denominators stay exact, and one flag
+    per rank -- could it unpack what it received and collate the round? (NOTE [ Receiving failures are
+    shared ])
 
 How it relates to ``balance=True``: balancing re-deals the samples of groups every rank already formed
 from its own buffer, step by step, so it can only even out what the local groups allow (measured: chitchat,
@@ -29,8 +32,8 @@ collation thread while the trainer consumes up to ``depth`` ready batches of ear
 is planned while round r trains. What does not: the first round of an epoch (nothing to train yet), and a
 round that needs more time than ``depth`` steps of training take (measured: the pure plan costs ~5 ms at
 4 ranks x 4,096 samples and ~40 ms CPU at 64 x 4,096, mostly the union grouping). A failure while planning
-round r+1 is raised on every rank at its next batch request (PeerError on the peers), ahead of batches
-already collated -- the loader's fault rule -- not exactly at the first step of round r+1.
+round r+1 is raised on every rank after the batches of round r and before any of round r+1 (PeerError on the
+peers): every rank yields the same number of batches first (NOTE [ Faults in the round sequence ]).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..balance.dispatch import exchange_packed, pack_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
@@ -174,8 +176,6 @@ class GlobalRound:
         if target == 0 or self._last is None:
             return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [])
         last, self._last = self._last, None
-        if last is None:  # this round failed after the flag exchange; exchange 2 told every rank
-            return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [])
         if last.failed_ranks:
             error, key = last.failure if last.failure is not None else (None, None)
             return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [], last.failed_ranks, error, key)

@@ -454,8 +454,8 @@ class DynamicBatchLoader:
                            "rank is probably no longer iterating", self.rank)
         self._pipeline = None
         self._handoff = None
-        if not self.streams.iterable or self.config.alignment.join:
-            self._iterable_stream = None
+        if not self.streams.iterable or self.config.alignment.join or pipeline.calls.abandoned:
+            self._iterable_stream = None  # (abandoned: a helper thread may still be inside that stream)
 
     def _call_limit(self) -> timedelta:
         """The bound on one call into user code on the collation thread (NOTE [ User code is bounded ]):
