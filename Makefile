@@ -30,7 +30,7 @@ bench: $(VENV)/.installed-demo
 # W -> W' resume sweep (issue 20): every ordered pair of world sizes in 1..4, both policies, accumulation 1/2,
 # join and quota; its own JSON line.
 soak: $(VENV)/.installed-test
-	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 5400
+	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 1800
 	$(PY) benchmarks/soak.py --elastic --seed 0
 
 check-protocol: $(VENV)/.installed-test

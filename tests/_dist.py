@@ -38,7 +38,22 @@ def _child(fn, rank: int, world: int, tmp: str, args: tuple, pg_timeout_s: float
     with open(out + ".tmp", "wb") as f:
         pickle.dump(result, f)
     os.replace(out + ".tmp", out)
+    end_children()
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it avoids rare gloo teardown aborts
+
+
+def end_children(grace_s: float = 5.0) -> None:
+    """Terminate this process's multiprocessing children (DataLoader workers a scenario left open) before an
+    ``os._exit``, which skips multiprocessing's own exit handler: a worker still starting when its parent
+    exits would watch the wrong parent and never exit (conftest's fixture fails a test that leaves one)."""
+    children = mp.active_children()
+    for p in children:
+        p.terminate()
+    for p in children:
+        p.join(grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join(grace_s)
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 120.0, start_method: str = "spawn",

@@ -192,15 +192,36 @@ def sc_oversize(rank, world):
     return "no error"
 
 
-def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None):
+class SlowStart:
+    """A worker_init_fn that sleeps: workers that start slowly (a loaded machine, a heavy import)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, worker_id: int) -> None:
+        time.sleep(self.seconds)
+
+
+def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None, peer_start_s=0.0):
     """kind: 'worker' (rank 1's worker raises), 'bad' (rank 1 gets a bad sample), 'exit' (rank 1 dies after
-    ``die_at`` batches). ``loader_kwargs`` override the loader's (planning, balance...)."""
+    ``die_at`` batches). ``loader_kwargs`` override the loader's (planning, balance...). ``peer_start_s``: the
+    other ranks' workers take this long to start (the fault must not depend on how fast workers start)."""
     n = 200
     # shuffle=False: index i lives on rank i % world, so index 1 (and 1 + world) is rank 1's.
     ds = TokenDataset(n, fail_at=1 + 3 * world if kind == "worker" else None,
                       bad_at=1 + 3 * world if kind == "bad" else None)
-    kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=1 if kind == "worker" else 0, shuffle=False,
-                  timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)) | (loader_kwargs or {})
+    # Worker faults wait for real workers: their bounds leave room for a slow start on a loaded machine (the
+    # fault itself is raised by the worker, so nothing waits for the bounds when all goes well).
+    bounds = (dict(timeout=timedelta(seconds=300), worker_timeout=timedelta(seconds=240)) if kind == "worker"
+              else dict(timeout=timedelta(seconds=15), worker_timeout=timedelta(seconds=10)))
+    workers, slow = 0, None
+    if kind == "worker":
+        workers, slow = 1, SlowStart(peer_start_s) if rank != 1 and peer_start_s else None
+    if kind == "slow_start" and rank == 1:  # rank 1's only worker is still starting when worker_timeout passes
+        bounds = dict(timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=1))
+        workers, slow = 1, SlowStart(4.0)
+    kwargs = dict(token_budget=BUDGET, buffer_size=4, num_workers=workers, shuffle=False, worker_init_fn=slow,
+                  **bounds) | (loader_kwargs or {})
     loader = evenflow.DynamicBatchLoader(ds, **kwargs)
     steps = 0
     try:
@@ -211,6 +232,8 @@ def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None):
                 os._exit(3)
     except Exception as exc:  # noqa: BLE001
         return dict(error=f"{type(exc).__name__}: {exc}", steps=steps)
+    finally:
+        loader.close()
     return dict(error=None, steps=steps)
 
 
@@ -570,3 +593,258 @@ class PassStream(IterableDataset):
 def sc_many(rank, world, calls):
     """Run several scenarios in one process world, in order: ``calls`` = [(name, function name, args)]."""
     return {name: globals()[fn](rank, world, *args) for name, fn, args in calls}
+
+
+# -- moved samples and bounded user code (issue 19): each returns what this rank saw ------------------------
+class IdsCollate:
+    """Pads input_ids/labels and records each sample's storage size (a moved view must arrive compact)."""
+
+    def __init__(self, fail_at: int | None = None, sleep_at: int | None = None) -> None:
+        self.fail_at, self.sleep_at = fail_at, sleep_at
+
+    def __call__(self, samples):
+        indices = [int(s["index"]) for s in samples]
+        if self.fail_at in indices:
+            raise KeyError(f"injected collate failure on sample {self.fail_at}")
+        if self.sleep_at in indices:
+            time.sleep(30)  # past worker_timeout; bounded, so the abandoned thread ends within the world's life
+        width = max(len(s["input_ids"]) for s in samples)
+        ids = torch.zeros(len(samples), width, dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids[i, : len(s["input_ids"])] = s["input_ids"]
+        return {"input_ids": ids, "index": indices,
+                "storage": [s["input_ids"].untyped_storage().nbytes() for s in samples]}
+
+
+def _raise_on_load(kind: str):
+    if kind == "memory":
+        raise MemoryError("injected: no memory to rebuild this object")
+    raise ValueError("injected: this object refuses to be unpickled")
+
+
+class LoadFails:
+    """Pickles fine on the sender; unpickling it raises (``kind``: "reduce" -> ValueError, "memory")."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __reduce__(self):
+        return _raise_on_load, (self.kind,)
+
+
+ONLY_ON_SENDER = "evenflow_test_only_on_the_sender"
+
+
+class OnlyOnSender:
+    """A class the receiver cannot import: its module exists only in the sending rank's process."""
+
+
+def _install_only_on_sender() -> None:
+    import sys
+    import types
+    module = types.ModuleType(ONLY_ON_SENDER)
+    module.OnlyOnSender = OnlyOnSender
+    OnlyOnSender.__module__ = ONLY_ON_SENDER
+    sys.modules[ONLY_ON_SENDER] = module
+
+
+class Tagged(Dataset):
+    """TokenDataset samples with ``extra`` added to every sample (only on the rank that builds it so)."""
+
+    def __init__(self, inner, extra=None) -> None:
+        self.inner, self.extra = inner, extra
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        sample = self.inner[i]
+        if self.extra is not None:
+            sample["extra"] = self.extra
+        return sample
+
+
+class ViewCorpus(Dataset):
+    """A pre-tokenized corpus: every sample is a view of one big tensor (``corpus[a:b]``)."""
+
+    def __init__(self, n: int, seed: int = 0, corpus_tokens: int = 3_000_000) -> None:
+        self.corpus = torch.arange(corpus_tokens, dtype=torch.long)
+        lengths = long_tail_lengths(n, seed)
+        self.starts = np.random.default_rng(seed).integers(0, corpus_tokens - BUDGET, n)
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        a = int(self.starts[i])
+        view = self.corpus[a:a + int(self.lengths[i])]
+        return {"input_ids": view, "labels": view, "index": i}
+
+
+def _length_value(value, at=None):
+    def length(sample):
+        return value if at is None or int(sample["index"]) == at else len(sample["input_ids"])
+    return length
+
+
+def _resources_value(value, at):
+    def resources(sample):
+        return {"num_patches": value if int(sample["index"]) == at else 1}
+    return resources
+
+
+class NotePid:
+    """worker_init_fn: write this worker's pid to ``{prefix}-{worker_id}`` (the test kills one)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, worker_id: int) -> None:
+        with open(f"{self.prefix}-{worker_id}", "w") as f:
+            f.write(str(os.getpid()))
+
+
+def sc_moved(rank, world, kind, tmp=None):
+    """One issue-19 fault (``kind``); the faulty rank is 1. Returns _outcome(...) plus kind-specific fields."""
+    t0 = time.time()  # the fault table's "after" for data faults: from the start of the epoch
+    bounds = dict(timeout=timedelta(seconds=120), worker_timeout=timedelta(seconds=90))
+    kw = dict(token_budget=BUDGET, buffer_size=16, shuffle=False, **bounds)
+    policy = "global"
+    if kind.startswith("unpickle:"):
+        _, how, policy = kind.split(":")
+        if rank == 1 and how == "module":
+            _install_only_on_sender()
+        extra = None if rank != 1 else OnlyOnSender() if how == "module" else LoadFails(how)
+        plan = dict(planning="global") if policy == "global" else dict(planning="local", balance=True)
+        loader = evenflow.DynamicBatchLoader(Tagged(TokenDataset(200), extra), collate_fn=IdsCollate(), **plan, **kw)
+        res = _loop(loader)
+        loader.close()
+        return _outcome(*res, t0)
+    if kind == "views":
+        ds = ViewCorpus(200)
+        loader = evenflow.DynamicBatchLoader(ds, collate_fn=IdsCollate(), planning="global", **kw)
+        seen, exact = [], True
+        for batch in loader:
+            info = evenflow.pop_step_info(batch)
+            seen.extend(zip(batch["index"], batch["storage"]))
+            exact &= list(info.sample_ids) == batch["index"]
+            for i, row in zip(batch["index"], batch["input_ids"]):  # what the home rank would have collated
+                ids = ds[i]["input_ids"]
+                exact &= bool((row[: len(ids)] == ids).all()) and not row[len(ids):].any()
+        moves = getattr(loader, "moves", None)  # (fbdadc2 had no count: the storage check below fails there)
+        loader.close()
+        return dict(seen=seen, moves=(moves.samples, moves.bytes, moves.tensor_bytes) if moves else None, exact=exact)
+    if kind.startswith("stop_end:"):
+        policy = kind.split(":")[1]
+        loader = evenflow.DynamicBatchLoader(TokenDataset(120), token_budget=BUDGET, buffer_size=16, seed=3,
+                                             planning=policy, **bounds)
+        total, _ = _loop(loader)
+        out = dict(total=total, stops=[])
+        def body(step):
+            if rank == 1 and step >= stop_at - 2:
+                time.sleep(0.3)  # rank 1 trains slowly at the end: its peers' pipelines finish the epoch first
+            return "break" if rank == 1 and step == stop_at else None
+        for back in (3, 2, 1):
+            stop_at = total - back
+            steps, exc = _loop(loader, body)
+            out["stops"].append(dict(stop_at=stop_at, **_outcome(steps, exc)))
+        loader.close()
+        return out
+    if kind.startswith("collate_equal:"):
+        policy = kind.split(":")[1]
+        at = 1 + 20 * world  # a sample of rank 1's shard (shuffle=False), mid-epoch
+        loader = evenflow.DynamicBatchLoader(TokenDataset(300), collate_fn=IdsCollate(fail_at=at), planning=policy,
+                                             **kw)
+        # The peers train slowly: they still hold ready batches when the failure is known.
+        res = _loop(loader, (lambda step: time.sleep(0.05)) if rank != 1 else None)
+        loader.close()
+        return _outcome(*res, t0)
+    if kind == "group_mismatch":
+        t0 = time.time()
+        try:
+            evenflow.DynamicBatchLoader(TokenDataset(50), token_budget=BUDGET, planning="global",
+                                        planning_group=2 if rank == 0 else 3, timeout=timedelta(seconds=60))
+        except Exception as exc:  # noqa: BLE001
+            return _outcome(0, exc, t0)
+        return _outcome(0, None, t0)
+    if kind.startswith("blocking:"):
+        what = kind.split(":")[1]
+        at = 1 + 8 * world
+        stuck = dict(collate_fn=IdsCollate(sleep_at=at if rank == 1 else None)) if what == "collate_fn" else dict(
+            collate_fn=IdsCollate(), length_fn=_sleepy_length(at if rank == 1 else None))
+        loader = evenflow.DynamicBatchLoader(TokenDataset(200), token_budget=BUDGET, buffer_size=8, shuffle=False,
+                                             timeout=timedelta(seconds=60), worker_timeout=timedelta(seconds=3),
+                                             **stuck)
+        res = _loop(loader)
+        loader.close()
+        return _outcome(*res, t0)
+    if kind == "kill_worker":
+        prefix = f"{tmp}/pid-{rank}"
+        loader = evenflow.DynamicBatchLoader(_SlowItems(TokenDataset(600)), token_budget=BUDGET, buffer_size=8,
+                                             num_workers=2 if rank == 1 else 0, worker_init_fn=NotePid(prefix),
+                                             timeout=timedelta(seconds=120), worker_timeout=timedelta(seconds=60))
+        t_kill = [None]
+
+        def body(step):
+            if rank == 1 and step == FAULT_STEP:
+                with open(f"{prefix}-0") as f:
+                    os.kill(int(f.read()), 9)
+                t_kill[0] = time.time()
+        res = _loop(loader, body)
+        loader.close()
+        return _outcome(*res, t_kill[0])
+    if kind.startswith("length_under:"):
+        policy = kind.split(":")[1]
+        loader = evenflow.DynamicBatchLoader(TokenDataset(200), length_fn=_length_value(1), planning=policy, **kw)
+        res = _loop(loader)
+        loader.close()
+        return _outcome(*res, t0)
+    if kind.startswith("overflow:"):
+        _, what, policy = kind.split(":")
+        at = 1 + 5 * world
+        # oversize="alone" keeps the sample (under "error" it is refused as over the budget, under "drop"
+        # dropped): its value then reaches the planner and the exchanges (fbdadc2: a bare OverflowError).
+        spec = (dict(length_fn=_length_value(2**63, at if rank == 1 else -1)) if what == "length" else
+                dict(extra_budgets={"num_patches": 64}, resources_fn=_resources_value(2**63, at if rank == 1 else -1)))
+        spec["oversize"] = "alone"
+        loader = evenflow.DynamicBatchLoader(TokenDataset(200), planning=policy, **spec, **kw)
+        res = _loop(loader)
+        loader.close()
+        return _outcome(*res, t0)
+    if kind == "quota_len":
+        ds = TokenDataset(301)
+        ds.lengths[:] = np.where(np.arange(301) % world == 1, 1500, 10)  # rank 1's samples train 1 per batch
+        loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, buffer_size=32, join=False, shuffle=False,
+                                             **bounds)
+        lens, carry = [], []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            lens.append(len(loader))
+            _loop(loader, epoch=epoch)
+            carry.append(len(loader.state_dict()["next_carry"]))
+        loader.close()
+        return dict(lens=lens, carry=carry)
+    raise ValueError(kind)
+
+
+def _sleepy_length(at):
+    def length(sample):
+        if at is not None and int(sample["index"]) == at:
+            time.sleep(30)  # past worker_timeout; bounded
+        return len(sample["input_ids"])
+    return length
+
+
+class _SlowItems(Dataset):
+    """A dataset whose samples take a moment to load (so a killed worker is still needed)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return self.inner[i]

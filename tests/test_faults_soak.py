@@ -23,8 +23,10 @@ def test_soak_slice_finds_nothing():
     out = soak.soak(seed=2026, pooled=POOLED, fresh=FRESH, time_limit=600, deadline_s=240, scale=0.25, max_world=3)
     assert out["configs"] == POOLED + FRESH, out  # nothing was cut by the time limit
     assert set(out["by_policy"]) == set(soak.POLICIES), out
-    found = {k: out[k] for k in ("lost", "duplicated", "over_budget", "unequal_steps", "hangs", "errors")}
+    found = {k: out[k] for k in ("lost", "duplicated", "over_budget", "unequal_steps", "hangs", "errors",
+                                 "silent_ends", "fault_unequal", "wrong_errors")}
     assert set(found.values()) == {0}, out
+    assert out["faults_fired"] >= 1, out  # the slice injects issue 19's faults, and at least one fires
 
 
 def _all_over_budget(planning: str, cid: int) -> soak.Config:

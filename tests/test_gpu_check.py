@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+# The run's budget is a cap for a lent GPU; here it must never bind (the suite runs on a loaded CI machine:
+# judge that every section ran, not how fast), so it is far above what any section needs, and the only
+# wall-clock bound is the hang guard of the subprocess.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2000)]
+_UNBOUND_BUDGET_S = "3600"
+_HANG_GUARD_S = 1800
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
@@ -22,8 +27,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 def run(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("gpu_check") / "lines.jsonl"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-reduced", "--budget-s", "120", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-reduced", "--budget-s", _UNBOUND_BUDGET_S, "--out",
+                           str(out)], capture_output=True, text=True, timeout=_HANG_GUARD_S)
     stdout = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc, stdout, [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -59,7 +64,7 @@ def test_sections_carry_what_a_gpu_run_needs(run):
 def test_budget_cuts_sections_short_but_still_ends_with_the_summary(tmp_path):
     out = tmp_path / "lines.jsonl"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-reduced", "--budget-s", "1", "--out", str(out),
-                           "--only", "llm_step", "loader"], capture_output=True, text=True, timeout=120)
+                           "--only", "llm_step", "loader"], capture_output=True, text=True, timeout=_HANG_GUARD_S)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[-1]["section"] == "summary" and lines[-1]["final"] is True
     assert lines[-1]["sections"] == {"llm_step": "skipped (budget)", "loader": "skipped (budget)"}

@@ -106,13 +106,20 @@ def sc_auto_resolution(rank, world):
 
 
 def sc_auto_mismatch(rank, world):
-    """Every rank passes "auto"; the last also passes balance=True, so it resolves to "local"."""
-    loader = evenflow.DynamicBatchLoader(sc.TokenDataset(60), token_budget=sc.BUDGET, buffer_size=8,
-                                         balance=rank == world - 1)
+    """Every rank passes "auto"; the last also passes balance=True, so it resolves to "local". The global ranks
+    are refused at construction (before creating planning groups), the local one at its first epoch's check
+    (which meets their construction check)."""
+    loaders = []
+
+    def run():
+        loaders.append(evenflow.DynamicBatchLoader(sc.TokenDataset(60), token_budget=sc.BUDGET, buffer_size=8,
+                                                   balance=rank == world - 1))
+        sc.epoch_record(loaders[0])
     try:
-        return _error(lambda: sc.epoch_record(loader))
+        return _error(run)
     finally:
-        loader.close()
+        for loader in loaders:
+            loader.close()
 
 
 def _body(rank, world):

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["exchange_samples", "arrival_order", "all_to_all_rows", "exchange_counts", "AllToAllRows"]
+__all__ = ["exchange_samples", "pack_samples", "exchange_packed", "arrival_order", "all_to_all_rows", "exchange_counts", "AllToAllRows"]
 
 ALIGN = 16
 """Byte alignment of every tensor inside a packed buffer, so each can be viewed back as its own dtype."""
@@ -83,9 +83,24 @@ def exchange_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequen
     data. ``device`` holds the buffers: ``"cpu"`` for gloo, the rank's GPU for NCCL. Received tensors are
     fresh copies (not views of the buffer) and carry no autograd history.
     """
-    rank, world = _group_info(group)
+    _, world = _group_info(group)
+    return exchange_packed(pack_samples(samples, dest, world, device=device), group=group, device=device)
+
+
+def pack_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequence[int], world: int, *,
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The first half of :func:`exchange_samples`: one uint8 buffer per destination rank, exactly the bytes
+    :func:`exchange_packed` sends (a caller that counts the bytes it moves reads ``numel()``)."""
     per_dest = _per_destination(samples, dest, world)
-    chunks = [_pack(samples, per_dest[d], device) for d in range(world)]
+    return [_pack(samples, per_dest[d], device) for d in range(world)]
+
+
+def exchange_packed(chunks: Sequence[torch.Tensor], *, group: dist.ProcessGroup,
+                    device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """The second half of :func:`exchange_samples`: send ``chunks[d]`` (from :func:`pack_samples`) to rank d."""
+    rank, world = _group_info(group)
+    if len(chunks) != world:
+        raise ValueError(f"got {len(chunks)} buffers for a group of {world} ranks; pack one per rank")
     sizes = [c.numel() for c in chunks]
     recv_sizes = exchange_counts(sizes, group=group, device=device)
     send_buf = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)

@@ -4,6 +4,8 @@
 - loader_config.py / loader_state.py / loader_stream.py -- its argument checks and LoaderConfig, the checks
                   of a saved state against this loader, and the keyed sample streams it feeds the collator
 - collator.py  -- the per-epoch collation thread: fill, round (two fixed exchanges), collate, hand off
+- calls.py     -- its calls into user code on a bounded helper thread; dead DataLoader workers seen at once
+- transfer.py  -- how a sample moves to another rank: its tensors as their own bytes, the rest pickled
 - source.py    -- per-rank sample streams on a plain DataLoader(batch_size=None); map-style sharding
 - faults.py    -- PeerStopped / PeerError and the error-detail encoding (NOTE [ Faults in the round sequence ])
 - resume.py    -- validation of a loader state before resuming

@@ -16,18 +16,18 @@ NOTE [ Who owns a moved sample ]
 
 from __future__ import annotations
 
-import pickle
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from ..balance.dispatch import exchange_samples
+from ..balance.dispatch import exchange_packed, pack_samples
 from ..balance.rebalance import rebalance_step, step_costs
 from ..planning.alignment import Item, Slot
 from ..planning.grouping import GroupingConfig
 from .comm import MetadataExchange
+from .transfer import Moves, pack, peek, receive_failure, unpack
 
 __all__ = ["BalancedRound", "StepRebalancer"]
 
@@ -48,12 +48,17 @@ class BalancedRound:
     error: BaseException | None = None
     """This rank's serialization error, if it is one of ``failed_ranks``."""
     error_key: object = None
+    unshared: tuple[BaseException, object] | None = None
+    """This rank could not unpack a sample it received (error, key): the peers do not know yet; the
+    collator shares it (NOTE [ Receiving failures are shared ] in global_round.py)."""
 
 
 class StepRebalancer:
     def __init__(self, exchange: MetadataExchange, grouping: GroupingConfig, payloads: dict, *,
-                 pair_keys: bool) -> None:
+                 pair_keys: bool, moves: Moves | None = None) -> None:
         self.exchange = exchange
+        self.moves = moves if moves is not None else Moves()
+        """The loader's count of what this rank sent to peers (``loader.moves``)."""
         self.pair_keys = pair_keys
         """Stream positions are only unique per rank: received samples are keyed ``(source rank, position)``."""
         self.grouping = grouping
@@ -75,6 +80,7 @@ class StepRebalancer:
         table = self.exchange.all_gather(mine.ravel()).reshape(self.world, width, max(n_max, 1), fields)
         plans = [self._plan_step(table[:, s], counts[:, s, 0]) for s in range(target)]
         # Exchange 4: one all-to-all of the samples that change rank.
+        started = time.perf_counter()
         outgoing, dest, error, error_key = self._serialize(plans, slots)
         if any(d != src for plan in plans for d, group in enumerate(plan) for src, _ in group):
             # Something moves this round (every rank knows from the plans): agree that every sender could
@@ -85,8 +91,10 @@ class StepRebalancer:
                                      tuple(failed.tolist()), error, error_key)
         received = []
         if self.world > 1:
+            chunks = pack_samples(outgoing, dest, self.world)
+            self.moves.count(chunks, self.rank, outgoing)
             with self.exchange.guarded("sample all-to-all"):
-                received = exchange_samples(outgoing, dest, group=self.exchange.topology.group)
+                received = exchange_packed(chunks, group=self.exchange.topology.group)
         arrived = iter(received)
         # Arrival order is (source rank, position at source); recompute every source's send order from the plans.
         incoming: dict[tuple[int, int, int], Item] = {}
@@ -96,10 +104,19 @@ class StepRebalancer:
             for s, plan in enumerate(plans):
                 for j_src, j in plan[self.rank]:
                     if j_src == src:
-                        key, length, tokens, extra, sample = pickle.loads(next(arrived)["blob"].numpy().tobytes())
-                        key = (src, key) if self.pair_keys else key
+                        packed = next(arrived)
+                        try:
+                            item, sample = unpack(packed)
+                        except Exception as exc:  # noqa: BLE001 - named here, shared by the collator
+                            failure = receive_failure(exc, peek(packed).key, src, self.rank, "balance=True",
+                                                      "balance=False")
+                            return BalancedRound([], [], np.zeros((0, self.world), dtype=np.int64), [],
+                                                 unshared=failure)
+                        key = (src, item.key) if self.pair_keys else item.key
                         self.payloads[key] = sample
-                        incoming[(s, src, j)] = Item(key, length, tokens, extra)
+                        incoming[(s, src, j)] = Item(key, item.length, item.loss_tokens, item.extra)
+        if received or outgoing:
+            self.moves.timed(time.perf_counter() - started)
         new_slots, owned, sources = [], [], []
         padded = np.zeros((target, self.world), dtype=np.int64)
         for s, plan in enumerate(plans):
@@ -118,15 +135,14 @@ class StepRebalancer:
                     if src == self.rank and d != self.rank:
                         it = slots[s][j]
                         try:
-                            blob = pickle.dumps((it.key, it.length, it.loss_tokens, dict(it.extra),
-                                                 self.payloads[it.key]), protocol=pickle.HIGHEST_PROTOCOL)
+                            packed = pack(it, self.payloads[it.key])  # NOTE [ Moved samples ] in transfer.py
                         except Exception as exc:  # noqa: BLE001 - a lock, an open file, a lambda...
                             err = TypeError(f"balance=True must send sample {it.key!r} to rank {d} but it cannot "
                                             f"be pickled ({type(exc).__name__}: {exc}); return picklable samples "
                                             "(tensors, numbers, strings) from the dataset, or use balance=False")
                             return [], [], err, it.key
                         del self.payloads[it.key]
-                        outgoing.append({"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)})
+                        outgoing.append(packed)
                         dest.append(d)
         return outgoing, dest, None, None
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Topology", "resolve_topology", "PeerTable", "MetadataExchange", "PlanningGroups", "planning_groups",
-           "TwoLevelExchange"]
+           "TwoLevelExchange", "pid_alive"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class PeerTable:
         # A dying process closes its sockets (gloo's error) a moment before the kernel marks it exited, so an
         # empty answer is checked again for a bounded while: this runs only on a failed exchange.
         deadline = time.monotonic() + _EXIT_SETTLE_S
-        while not (dead := [r for r in local if not _alive(rows[r][0])]) and local and time.monotonic() < deadline:
+        while not (dead := [r for r in local if not pid_alive(rows[r][0])]) and local and time.monotonic() < deadline:
             time.sleep(0.05)
         remote = [r for r, (_, h) in enumerate(rows) if h != host]
         if dead:
@@ -133,7 +133,8 @@ class MetadataExchange:
         return torch.stack(out).numpy()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` running (a zombie -- exited, not yet reaped -- is not)?"""
     try:
         with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) still answers kill(pid, 0)
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"

@@ -1,33 +1,48 @@
 """What a rank sees when a peer stops early or fails: :class:`PeerStopped`, :class:`PeerError`.
 
 NOTE [ Faults in the round sequence ]
-    Every failure on a rank -- a worker's exception, a sample that cannot be measured, a ``collate_fn`` or
-    ``length_fn`` error, a sample that cannot be pickled for balancing, an epoch that cannot start, or the
-    trainer's own exception passed to ``close(exc)`` / raised inside ``with loader:`` -- sets the error flag of
-    that rank's next exchange-1 report. Every rank sees the flag, so every rank then issues one more
-    fixed-size all_gather (:data:`DETAIL_WIDTH` int64: sample index, type name and message as truncated
-    UTF-8) and no other collective. The failing rank re-raises its original exception (with a note naming
-    its rank and sample); every peer raises :class:`PeerError` ahead of the batches it still holds. Rounds
-    without an error cost nothing extra. Custom exception classes need not pickle: only text travels.
+    Every failure on a rank -- a worker's exception or death, a sample that cannot be measured, a
+    ``collate_fn`` or ``length_fn`` error or one that blocks past ``worker_timeout``, a sample that cannot be
+    pickled or unpickled on its way to another rank, an epoch that cannot start, or the trainer's own
+    exception passed to ``close(exc)`` / raised inside ``with loader:`` -- raises a flag in that rank's next
+    exchange that carries flags: exchange 1 of the next round for what happens while filling the buffer;
+    exchange 2 of the same round for what happens after exchange 1 (receiving a moved sample, collating the
+    round: every round is collated before exchange 2); the commit exchange under ``balance=True``, whose
+    samples move after exchange 2. Every rank sees the flag, so every rank then issues one more fixed-size
+    all_gather (:data:`DETAIL_WIDTH` int64: sample index, type name, message as truncated UTF-8, and whether
+    the trainer failed) and no other collective. Rounds without an error cost nothing extra. Custom exception
+    classes need not pickle: only text travels.
+
+    A round's batches are handed to the trainers only once every rank collated them, so every rank has handed
+    over the same steps when an error round comes. A loader failure is raised after those (the failing rank
+    re-raises its own exception, with a note naming its rank and sample; every peer raises
+    :class:`PeerError`), so every rank yields the same number of batches before raising: under DDP no rank
+    waits in a gradient all_reduce that a failed peer never joins. A peer's *trainer* failure is raised ahead
+    of the batches still held: that rank has left its loop, nothing keeps the ranks level any more.
 
 NOTE [ Early stops ]
     A generator cannot tell a ``break`` from an exception leaving the loop. When rank r's iterator is closed
     early, r reports STOP(r, s) in its next round, s = batches its trainer took. Every rank ends the epoch
-    after that round; a peer still iterating yields its batches up to step s and raises
-    :class:`PeerStopped` when it asks for batch s + 1. Ranks that all stop at the same step never ask for
-    it: that is a normal coordinated stop. A peer blocked in the user's own collective (a DDP all_reduce
-    waiting for r) cannot be pre-empted by the loader; it sees that collective's timeout.
+    after that round; a peer still iterating raises :class:`PeerStopped` when it asks for batch s + 1 if it
+    already knows of the stop, else at its next request: it may yield the batches it held ready before it
+    learned (up to ``depth`` plus one round's steps), never an end of epoch. That holds at the end too: the
+    epoch's last round is followed by one more exchange once every trainer took its last batch (NOTE [ The end
+    of an epoch is agreed ] in collator.py), so a rank that stops at the last steps is still seen. Ranks that
+    all stop at the same step never ask for batch s + 1: that is a normal coordinated stop, and so is a stop
+    after the epoch's last batch. A peer blocked in the user's own collective (a DDP all_reduce waiting for r)
+    cannot be pre-empted by the loader; it sees that collective's timeout.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PeerStopped", "PeerError", "DETAIL_WIDTH", "encode_detail", "decode_detail", "sample_of"]
+__all__ = ["PeerStopped", "PeerError", "DETAIL_WIDTH", "encode_detail", "decode_detail", "trainer_failed",
+           "sample_of"]
 
 _TYPE_BYTES = 64
 _MESSAGE_BYTES = 1024
-_HEADER = 4  # has_index, index, len(type), len(message)
+_HEADER = 5  # has_index, index, len(type), len(message), trainer (the rank's trainer failed, not its loader)
 DETAIL_WIDTH = _HEADER + (_TYPE_BYTES + _MESSAGE_BYTES) // 8
 """int64 words of the error-detail exchange (issued only on rounds where some rank reported an error)."""
 
@@ -84,13 +99,14 @@ def _text(value: str, limit: int) -> bytes:
     return data.decode("utf-8", errors="ignore").encode("utf-8")[:limit]  # never cut a character in half
 
 
-def encode_detail(exc: BaseException | None, sample_index: int | None) -> np.ndarray:
-    """This rank's row of the error-detail exchange (all zeros when it did not fail)."""
+def encode_detail(exc: BaseException | None, sample_index: int | None, *, trainer: bool = False) -> np.ndarray:
+    """This rank's row of the error-detail exchange (all zeros when it did not fail). ``trainer``: the failure
+    is the trainer's own (``close(exc)``), not the loader's: peers raise it at once, not after their batches."""
     row = np.zeros(DETAIL_WIDTH, dtype=np.int64)
     if exc is None:
         return row
     name, message = _text(type(exc).__name__, _TYPE_BYTES), _text(str(exc), _MESSAGE_BYTES)
-    row[:_HEADER] = [sample_index is not None, sample_index or 0, len(name), len(message)]
+    row[:_HEADER] = [sample_index is not None, sample_index or 0, len(name), len(message), trainer]
     raw = np.zeros(_TYPE_BYTES + _MESSAGE_BYTES, dtype=np.uint8)
     raw[:len(name)] = np.frombuffer(name, dtype=np.uint8)
     raw[_TYPE_BYTES:_TYPE_BYTES + len(message)] = np.frombuffer(message, dtype=np.uint8)
@@ -98,9 +114,14 @@ def encode_detail(exc: BaseException | None, sample_index: int | None) -> np.nda
     return row
 
 
+def trainer_failed(row: np.ndarray) -> bool:
+    """Whether a row of :func:`encode_detail` reports the trainer's own failure."""
+    return bool(row[4])
+
+
 def decode_detail(row: np.ndarray) -> tuple[str, str, int | None]:
     """``(type name, message, sample index)`` from a row of :func:`encode_detail`."""
-    has_index, index, n_name, n_message = (int(v) for v in row[:_HEADER])
+    has_index, index, n_name, n_message, _ = (int(v) for v in row[:_HEADER])
     raw = np.ascontiguousarray(row[_HEADER:], dtype=np.int64).view(np.uint8)
     name = raw[:n_name].tobytes().decode("utf-8", errors="replace")
     message = raw[_TYPE_BYTES:_TYPE_BYTES + n_message].tobytes().decode("utf-8", errors="replace")

@@ -10,8 +10,11 @@ choosing its own groups:
     group's k ranks, with the group's buffers as the union)
     exchange F (world-wide): one flag per rank -- did planning or pickling fail? (NOTE [ Planning failures
     are shared ]); any flag turns the round into an error round on every rank
-    one all-to-all (inside the group) moves the samples that are trained away from home (skipped when none)
-    exchange 2 (as in every round): the post-plan slot counts, so loss denominators stay exact
+    one all-to-all (inside the group) moves the samples that are trained away from home (skipped when none;
+    NOTE [ Moved samples ] in transfer.py: their tensors travel as their own bytes)
+    exchange 2 (as in every round): the post-plan slot counts, so loss denominators stay exact, and one flag
+    per rank -- could it unpack what it received and collate the round? (NOTE [ Receiving failures are
+    shared ])
 
 How it relates to ``balance=True``: balancing re-deals the samples of groups every rank already formed
 from its own buffer, step by step, so it can only even out what the local groups allow (measured: chitchat,
@@ -29,26 +32,26 @@ collation thread while the trainer consumes up to ``depth`` ready batches of ear
 is planned while round r trains. What does not: the first round of an epoch (nothing to train yet), and a
 round that needs more time than ``depth`` steps of training take (measured: the pure plan costs ~5 ms at
 4 ranks x 4,096 samples and ~40 ms CPU at 64 x 4,096, mostly the union grouping). A failure while planning
-round r+1 is raised on every rank at its next batch request (PeerError on the peers), ahead of batches
-already collated -- the loader's fault rule -- not exactly at the first step of round r+1.
+round r+1 is raised on every rank after the batches of round r and before any of round r+1 (PeerError on the
+peers): every rank yields the same number of batches first (NOTE [ Faults in the round sequence ]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from ..balance.dispatch import exchange_samples
+from ..balance.dispatch import exchange_packed, pack_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
 from ..planning.global_plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
 from ..planning.grouping import GroupingConfig
 from .balancing import BalancedRound
 from .comm import MetadataExchange, PlanningGroups
+from .transfer import Moves, pack, peek, receive_failure, unpack
 
 __all__ = ["GlobalRound"]
 
@@ -95,7 +98,7 @@ class GlobalRound:
     """Plans and moves one round's samples for this rank (see the module docstring)."""
 
     def __init__(self, exchange: MetadataExchange, groups: PlanningGroups, grouping: GroupingConfig,
-                 alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool) -> None:
+                 alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool, moves: Moves | None = None) -> None:
         self.exchange = exchange
         """World-wide exchange (flat or two-level): exchange B and the fingerprints."""
         self.groups = groups
@@ -110,16 +113,18 @@ class GlobalRound:
         self.extra_names = tuple(grouping.extra_budgets)
         self.config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
                                        max_wait_rounds=alignment.max_wait_rounds)
-        self.bytes_sent = 0
-        """Pickled payload bytes this rank sent to peers so far (benchmarks report bytes moved per step)."""
+        self.moves = moves if moves is not None else Moves()
+        """The loader's count of what this rank sent to peers (``loader.moves``)."""
         self.progress = EpochProgress()
         """What this epoch emitted so far in the planning group (the same on every member; NOTE [ A round emits a
         sample of the buffer ]). One GlobalRound per epoch, so it starts at zero, also after a resume."""
         self._last: _Round | None = None
 
     # -- the collator's hooks ------------------------------------------------------------------------------
-    def plan(self, planner: RankPlanner, table: np.ndarray, decision: RoundDecision) -> tuple[list[Slot], RoundDecision]:
-        """This rank's slots for an emitting round, and the decision with the round's T and steps bound.
+    def plan(self, planner: RankPlanner, table: np.ndarray,
+             decision: RoundDecision) -> tuple[list[Slot], RoundDecision, tuple[BaseException, object] | None]:
+        """This rank's slots for an emitting round, the decision with the round's T and steps bound, and this
+        rank's failure to receive a moved sample (error, key), which the collator shares in exchange 2.
 
         NOTE [ Planning failures are shared ]
             Planning runs on the collation thread, rounds ahead of the trainer (up to ``depth`` batches). If
@@ -131,20 +136,22 @@ class GlobalRound:
         g = self.groups
         start, k, me = g.starts[g.index], g.inner.world_size, g.inner.rank
         counts = table[start:start + k, _SAMPLES_COL].astype(np.int64)
-        rows = self._gather_metadata(planner, int(counts.max()))  # exchange A
-        failure, buf, plan, home, outgoing, dest = None, None, [], {}, [], []
+        rows, failure = self._gather_metadata(planner, int(counts.max()))  # exchange A
+        buf, plan, home, outgoing, dest, packing = None, [], {}, [], [], 0.0
         try:
             buf = _Union.from_rows(rows, counts, self.extra_names)
         except Exception as exc:  # noqa: BLE001 - shared below (NOTE [ Planning failures are shared ])
-            failure = (exc, None)
+            failure = failure or (exc, None)
         target = self._target(buf)  # exchange B (> 1 group); None: the plan chooses
-        if failure is None:
+        if failure is None and buf is not None:
             try:
                 plan = self._plan(buf, target, final=self._final(table))
                 target = len(plan)
                 mine = [int(buf.pos[i]) for step in plan for slot in step for i in slot if buf.src[i] == me]
                 home = dict(zip(mine, planner.take(mine)))
+                started = time.perf_counter()
                 outgoing, dest, failure = self._serialize(buf, plan, home)
+                packing = time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001
                 failure = (exc, None)
         # Any T >= 1 on a failed round: every rank turns it into an error round below.
@@ -152,14 +159,20 @@ class GlobalRound:
         failed = np.flatnonzero(self.exchange.all_gather(np.array([failure is not None], dtype=np.int64))[:, 0])
         if len(failed):  # every rank learns it here: the round becomes an error round everywhere
             self._last = _Round([], [], tuple(int(r) for r in failed), failure)
-            return [], decision
-        received = self._move(buf, plan, outgoing, dest)
+            return [], decision, None
+        started = time.perf_counter()
+        received, late = self._move(buf, plan, outgoing, dest)
+        if outgoing:  # this group moved samples
+            self.moves.timed(packing + time.perf_counter() - started)
+        if late is not None:  # the collator shares it in exchange 2 (NOTE [ Receiving failures are shared ])
+            self._last = None
+            return [], decision, late
         slots, owned = [], []
         for step in plan:
             slots.append([home[int(buf.pos[i])] if buf.src[i] == me else received[int(i)] for i in step[me]])
             owned.append([home[int(buf.pos[i])].key for slot in step for i in slot if buf.src[i] == me])
         self._last = _Round(slots, owned)
-        return slots, decision
+        return slots, decision, None
 
     def __call__(self, slots: list[Slot], counts: np.ndarray, target: int) -> BalancedRound:
         """The collator's ``rebalancer`` hook, after exchange 2: what each step owns and every rank's cost."""
@@ -173,16 +186,21 @@ class GlobalRound:
         return BalancedRound(last.slots, last.owned, padded, [])
 
     # -- exchanges -----------------------------------------------------------------------------------------
-    def _gather_metadata(self, planner: RankPlanner, width: int) -> np.ndarray:
-        """Exchange A: ``[k, width, 2 + extras]`` (length, age, extras...) of every member's buffer."""
+    def _gather_metadata(self, planner: RankPlanner, width: int) -> tuple[np.ndarray, tuple | None]:
+        """Exchange A: ``[k, width, 2 + extras]`` (length, age, extras...) of every member's buffer, and this
+        rank's failure to write its row (it then sends zeros and shares the failure at the flag exchange)."""
         fields = 2 + len(self.extra_names)
         mine = np.zeros((max(width, 1), fields), dtype=np.int64)
-        for j, it in enumerate(planner.buffer):
-            mine[j, 0], mine[j, 1] = it.length, planner.rounds - it.arrived
-            for f, name in enumerate(self.extra_names, start=2):
-                mine[j, f] = it.extra.get(name, 0)
+        failure = None
+        try:
+            for j, it in enumerate(planner.buffer):
+                mine[j, 0], mine[j, 1] = it.length, planner.rounds - it.arrived
+                for f, name in enumerate(self.extra_names, start=2):
+                    mine[j, f] = it.extra.get(name, 0)
+        except Exception as exc:  # noqa: BLE001 - e.g. a value past int64 (SampleSpec refuses them first)
+            mine[:], failure = 0, (exc, planner.buffer[j].key)
         k = self.groups.inner.world_size
-        return self.inner.all_gather(mine.ravel()).reshape(k, max(width, 1), fields)
+        return self.inner.all_gather(mine.ravel()).reshape(k, max(width, 1), fields), failure
 
     def _target(self, buf: _Union | None) -> int | None:
         """T agreed between planning groups (exchange B), or ``None`` with one group (the plan chooses T)."""
@@ -216,39 +234,52 @@ class GlobalRound:
         g = self.groups
         return bool((table[g.starts[g.index]:g.starts[g.index] + g.inner.world_size, _UNREAD_COL] == 0).all())
 
-    def _move(self, buf: _Union, plan: list[list[list[int]]], outgoing: list, dest: list) -> dict[int, Item]:
+    def _move(self, buf: _Union, plan: list[list[list[int]]], outgoing: list,
+              dest: list) -> tuple[dict[int, Item], tuple[BaseException, object] | None]:
         """One all-to-all inside the planning group (skipped when nothing moves: every member knows from the
-        shared plan); returns the received items by union index."""
+        shared plan); returns the received items by union index, and this rank's failure to unpack one.
+
+        NOTE [ Receiving failures are shared ]
+            Unpickling a moved sample runs the receiver's code on the sender's bytes (NOTE [ Moved samples ] in
+            transfer.py): a class only the sender can import, a ``__reduce__`` that raises, a MemoryError. The
+            receiver then names the sample, its sender and the fix, keeps going through the round, and raises
+            a flag in exchange 2 (collator.py); every rank turns the round into an error round, so the peers
+            raise PeerError naming it in the same round instead of waiting for a collective it never joins.
+        """
         me, k = self.groups.inner.rank, self.groups.inner.world_size
         if k == 1 or not any(buf.src[i] != d for step in plan for d, slot in enumerate(step) for i in slot):
-            return {}
+            return {}, None
         expected = [int(i) for src in range(k) if src != me  # arrival order: by source, then its send order
                     for step in plan for i in step[me] if buf.src[i] == src]
         with self.exchange.guarded("sample all-to-all"):
-            arrived = exchange_samples(outgoing, dest, group=self.groups.inner.group)
+            arrived = exchange_packed(outgoing, group=self.groups.inner.group)
         if len(arrived) != len(expected):  # pragma: no cover - every rank evaluates the same plan
             raise RuntimeError(f"evenflow: rank {self.rank} expected {len(expected)} samples from its planning "
                                f"group and received {len(arrived)}; ranks disagree on the round plan")
         received = {}
-        for i, blob in zip(expected, arrived):
-            key, length, tokens, extra, sample = pickle.loads(blob["blob"].numpy().tobytes())
+        for i, packed in zip(expected, arrived):
             src_rank = self.groups.starts[self.groups.index] + int(buf.src[i])
-            key = (src_rank, key) if self.pair_keys else key
+            try:
+                item, sample = unpack(packed)
+            except Exception as exc:  # noqa: BLE001 - MemoryError included: named, then shared
+                return received, receive_failure(exc, peek(packed).key, src_rank, self.rank, "planning='global'",
+                                                 "planning='local'")
+            key = (src_rank, item.key) if self.pair_keys else item.key
             self.payloads[key] = sample
-            received[i] = Item(key, length, tokens, extra)
-        return received
+            received[i] = Item(key, item.length, item.loss_tokens, item.extra)
+        return received, None
 
     def _serialize(self, buf: _Union, plan: list[list[list[int]]], home: dict[int, Item]):
-        """Pickle what this rank sends, in the receivers' arrival order: (step, destination, slot order)."""
-        me = self.groups.inner.rank
+        """Pack what this rank sends, in the receivers' arrival order: (step, destination, slot order); one
+        buffer per member of the planning group (NOTE [ Moved samples ] in transfer.py)."""
+        me, k = self.groups.inner.rank, self.groups.inner.world_size
         outgoing, dest = [], []
         for step in plan:
             for d, slot in enumerate(step):
                 for i in (i for i in slot if buf.src[i] == me and d != me):
                     it = home[int(buf.pos[i])]
                     try:
-                        blob = pickle.dumps((it.key, it.length, it.loss_tokens, dict(it.extra),
-                                             self.payloads[it.key]), protocol=pickle.HIGHEST_PROTOCOL)
+                        packed = pack(it, self.payloads[it.key])
                     except Exception as exc:  # noqa: BLE001 - a lock, an open file, a lambda...
                         return [], [], (TypeError(
                             f"planning='global' must send sample {it.key!r} from rank {self.rank} to rank "
@@ -256,10 +287,13 @@ class GlobalRound:
                             f"({type(exc).__name__}: {exc}); return picklable samples (tensors, numbers, "
                             "strings) from the dataset, or use planning='local'"), it.key)
                     del self.payloads[it.key]
-                    self.bytes_sent += len(blob)
-                    outgoing.append({"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)})
+                    outgoing.append(packed)
                     dest.append(d)
-        return outgoing, dest, None
+        if not outgoing and not any(buf.src[i] != d for step in plan for d, slot in enumerate(step) for i in slot):
+            return [], [], None  # nothing moves in this planning group: no all-to-all
+        chunks = pack_samples(outgoing, dest, k)
+        self.moves.count(chunks, me, outgoing)
+        return chunks, dest, None
 
     # -- the steps bound -----------------------------------------------------------------------------------
     def _bound(self, table: np.ndarray) -> int:

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from ..planning.alignment import NO_VALUE, RankPlanner, config_fingerprint
 from ..planning.grouping import CostModel, OversizePolicy
 from ..planning.loss import LossTokenRule
-from .collator import EpochPipeline, Handoff, Release, SampleSpec
+from .collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
 from .comm import resolve_topology
 from .faults import sample_of
 from .loader_config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
@@ -36,6 +36,7 @@ from .epoch_plan import as_plan_lengths, plan_coverage, planned_steps
 from .shard_check import content_print
 from .source import StreamOptions, Streams, shard_indices
 from .step_info import StepInfo, UsageCheck, UsageTracker
+from .transfer import Moves
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 
@@ -111,11 +112,17 @@ class DynamicBatchLoader:
     - ``pad_token_id``: padding id for the default collate.
     - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
     - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
-    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``,
-      a dead worker); the rank then raises naming the sample and its peers raise ``PeerError``. Must be
-      below ``timeout`` so the report reaches peers first; raise both for slow decoding.
+    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``)
+      and on every call into user code on the collation thread (``collate_fn``, ``length_fn``,
+      ``resources_fn``, ``__getitem__`` with ``num_workers=0``); the rank then raises naming the call and the
+      sample, and its peers raise ``PeerError`` in the same round. A worker that dies (the OOM killer) is
+      reported within about a second. Must be below ``timeout`` so the report reaches peers first (with
+      ``num_workers=0`` a larger one is cut to ``timeout / 2``); raise both for slow decoding.
     - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams).
-    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round).
+    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round). Under
+      ``balance=True`` and ``planning="global"`` a sample may train on another rank: it moves as its tensors'
+      own bytes plus a pickle of the rest (:attr:`moves` counts them; NOTE [ Moved samples ] in transfer.py;
+      the ranks of a job must trust each other's pickles, README "Trust model").
     - ``planning``: ``"local"`` (each rank groups its own buffer), ``"global"`` (a planning group's ranks group
       the union of their buffers' metadata; subsumes ``balance``) or ``"auto"`` (default): ``"global"`` when
       2 <= world size <= 64 (or ``planning_group`` is given) and ``balance=False``, else ``"local"`` --
@@ -164,6 +171,8 @@ class DynamicBatchLoader:
         self.num_workers = num_workers
         self.dataset = dataset
         self.collate_fn = _default_collate(cost, pad_token_id, pad_to_multiple_of) if collate_fn is None else collate_fn
+        # The default collates build what the planner costs: a larger batch is a length_fn that under-reports.
+        self._check_batch = default_batch_check(self.config.grouping) if collate_fn is None else None
         self.spec = SampleSpec(length_fn=length_fn, resources_fn=resources_fn,
                                resource_names=tuple(self.config.grouping.extra_budgets),
                                loss_rule=self.config.loss_tokens)
@@ -188,6 +197,9 @@ class DynamicBatchLoader:
         self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
         self._plan_lengths = None if lengths is None else self._check_lengths(lengths)
         self._planned: dict[int, int] = {}  # epoch -> planned steps (NOTE [ The planned epoch length ])
+        self.moves = Moves()
+        """Samples (and bytes) this rank sent to peers: under ``planning="global"`` or ``balance=True`` a sample
+        may train on another rank (NOTE [ Moved samples ] in evenflow/runtime/transfer.py)."""
         self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
 
     def _init_state(self) -> None:
@@ -215,6 +227,7 @@ class DynamicBatchLoader:
         self._payloads: dict = {}
         self._iterable_stream: Iterator | None = None  # quota mode: the raw stream a carried epoch continues
         self._position = 0                # next stream position (iterable datasets)
+        self._passes = 0                  # epochs started on this loader (the same count on every rank)
 
     # -- public API ----------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -264,9 +277,11 @@ class DynamicBatchLoader:
             raise TypeError("len() is unknown for an IterableDataset (its length is only known at its end); "
                             "iterate to exhaustion, or give the trainer a step count")
         n = len(self.dataset)
-        carry = self._next_carry if self._finished else self._carry
-        if carry or self._pending_state is not None:
-            return 2 * n  # rank-local carry/resume state: only a rank-independent bound is safe here
+        # Quota mode: after a first pass any rank may carry samples (and another none), so whether this rank
+        # carries must not decide: every rank answers the bound that holds with a carry. Likewise on resume.
+        carried = not self.config.alignment.join and self._passes > 0
+        if carried or self._pending_state is not None:
+            return 2 * n
         return -(-n // self.world_size)
 
     def planned_steps(self, epoch: int | None = None) -> int | None:
@@ -376,6 +391,7 @@ class DynamicBatchLoader:
     def _start_epoch(self) -> None:
         self._stop_epoch()
         self._usage.reset()
+        self._passes += 1
         carry, consumed = self._begin_state()
         self._carry, self._consumed, self._window_keys = carry, consumed, []
         self._steps_done, self._committed, self._finished, self._bound, self._next_carry = 0, 0, False, -1, []
@@ -384,8 +400,9 @@ class DynamicBatchLoader:
         if not keep_planner:
             self._planner = RankPlanner(self.config.grouping, alignment, seed=self.config.seed)
             self._payloads = {}
-        # A failure here (a worker that cannot start, a dataset whose len() raises) is reported through the
-        # epoch's first round like any other, so peers raise PeerError instead of waiting for the timeout.
+        # A failure here (a dataset whose len() raises) is reported through the epoch's first round like any
+        # other, so peers raise PeerError instead of waiting for the timeout; so is a worker that cannot start
+        # (workers start at the stream's first sample, on the collation thread's helper: source.py).
         error, stream, total, skip = None, None, 0, frozenset()
         try:
             stream, total, skip = self._open_stream(carry, consumed, keep_planner)
@@ -399,7 +416,9 @@ class DynamicBatchLoader:
             payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template,
             rebalancer=(global_round := self._global_round()) or self._rebalancer(), global_round=global_round,
             planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
-            error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout))
+            error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout),
+            call_limit=self._call_limit(), workers=self.num_workers > 0, dead_workers=self.streams.dead_workers,
+            check_batch=self._check_batch)
         self._pipeline.start()
 
     def _begin_state(self) -> tuple[list, set]:
@@ -525,21 +544,28 @@ class DynamicBatchLoader:
                            "rank is probably no longer iterating", self.rank)
         self._pipeline = None
         self._handoff = None
-        if not self.streams.iterable or self.config.alignment.join:
-            self._iterable_stream = None
+        if not self.streams.iterable or self.config.alignment.join or pipeline.calls.abandoned:
+            self._iterable_stream = None  # (abandoned: a helper thread may still be inside that stream)
+
+    def _call_limit(self) -> timedelta:
+        """The bound on one call into user code on the collation thread (NOTE [ User code is bounded ]):
+        ``worker_timeout``, which must be below ``timeout`` so that the report reaches the peers before their
+        exchange times out; with ``num_workers=0`` that is not required, and a larger one is cut to half of it."""
+        return self.worker_timeout if self.worker_timeout < self.config.timeout else self.config.timeout / 2
 
     def _global_round(self):
         if self._planning.groups is None:
             return None
         from .global_round import GlobalRound  # imports scipy only when asked for
         return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
-                           self._payloads, pair_keys=self.streams.iterable)
+                           self._payloads, pair_keys=self.streams.iterable, moves=self.moves)
 
     def _rebalancer(self):
         if not self.config.balance:
             return None
         from .balancing import StepRebalancer  # imports evenflow.balance (scipy) only when asked for
-        return StepRebalancer(self.exchange, self.config.grouping, self._payloads, pair_keys=self.streams.iterable)
+        return StepRebalancer(self.exchange, self.config.grouping, self._payloads, pair_keys=self.streams.iterable,
+                              moves=self.moves)
 
     # -- IDLE batches --------------------------------------------------------------------------------------
     def _remember_template(self, sample: object) -> None:

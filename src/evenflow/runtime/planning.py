@@ -143,6 +143,11 @@ def setup_planning(requested: str, group: int | None, topology: Topology, timeou
         return PlanningSetup(policy, size, None, exchange, requested)
     from . import global_round  # noqa: F401 - warm the import (scipy) here, not in the first round
     from .comm import TwoLevelExchange
+    if world > 1:
+        # Before any planning group is created: ranks that disagree on planning_group would each call new_group
+        # with other members and stall until the timeout ("Wait timeout", naming nothing). A rank that resolved
+        # "local" meets this exchange with its own first-epoch check (the same all_gather), and refuses too.
+        check_planning(exchange, policy, size, requested)
     groups = planning_groups(topology, size, timeout)
     if len(groups.starts) > 1:
         exchange = TwoLevelExchange(topology, groups)

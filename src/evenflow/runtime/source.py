@@ -7,6 +7,7 @@ rank's own stream; the key of a sample is its position in that stream.
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from .comm import pid_alive
 
 __all__ = ["shard_indices", "StreamOptions", "Streams"]
 
@@ -82,9 +85,12 @@ def _pack(item):
 
 def _pack_value(obj):
     if isinstance(obj, torch.Tensor):
+        nbytes = obj.numel() * obj.element_size()
         if (obj.device.type == "cpu" and not obj.requires_grad and obj.dtype in _NUMPY_DTYPES
-                and obj.numel() * obj.element_size() < _PICKLE_MAX_BYTES):
-            return _Packed(obj.numpy())
+                and nbytes < _PICKLE_MAX_BYTES):
+            return _Packed(obj.numpy())  # a numpy view pickles its own bytes only
+        if obj.device.type == "cpu" and obj.untyped_storage().nbytes() > nbytes:
+            return obj.clone()  # a view of a larger tensor: shared memory would hold (and copy) all of its storage
         return obj
     if type(obj) is dict:
         return {k: _pack_value(v) for k, v in obj.items()}
@@ -151,6 +157,10 @@ def _checked(x):
     return x
 
 
+def _started(loader: DataLoader) -> Iterator:
+    yield from loader
+
+
 def _unpacked(stream: Iterator) -> Iterator:
     for item in stream:
         yield _unpack(item)
@@ -169,20 +179,39 @@ class StreamOptions:
     timeout: float = 0
 
 
+class _NotePid:
+    """The workers' ``worker_init_fn``: note this worker's pid, then run the user's (:meth:`Streams.dead_workers`)."""
+
+    def __init__(self, pids, user_fn) -> None:
+        self.pids = pids
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        self.pids[worker_id] = os.getpid()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
 class Streams:
     """Owns the worker DataLoader and hands out one ``(key, sample)`` iterator per epoch."""
 
     def __init__(self, dataset: Dataset, options: StreamOptions) -> None:
         self.iterable = isinstance(dataset, IterableDataset)
         self.dataset = dataset
+        self.num_workers = options.num_workers
         # pin_memory pins what the DataLoader returns, so packed arrays would escape it: keep tensors then.
         self.packed = options.num_workers > 0 and not options.pin_memory
         self.persistent = options.persistent_workers and options.num_workers > 0
         transport = _pack if self.packed else _checked if options.num_workers else _identity
+        # Every worker notes its pid in shared memory, so a worker that dies (the OOM killer) is seen at once
+        # (NOTE [ User code is bounded ] in calls.py); 0 = not started yet.
+        self.pids = (_context(options.multiprocessing_context).Array("q", options.num_workers, lock=False)
+                     if options.num_workers else None)
+        init = _NotePid(self.pids, options.worker_init_fn) if options.num_workers else options.worker_init_fn
         kwargs = dict(batch_size=None, collate_fn=transport, num_workers=options.num_workers,
                       persistent_workers=options.persistent_workers and options.num_workers > 0,
                       pin_memory=options.pin_memory, multiprocessing_context=options.multiprocessing_context,
-                      worker_init_fn=options.worker_init_fn, timeout=options.timeout)
+                      worker_init_fn=init, timeout=options.timeout)
         if options.num_workers > 0 and options.prefetch_factor is not None:
             kwargs["prefetch_factor"] = options.prefetch_factor
         if self.iterable:
@@ -193,10 +222,33 @@ class Streams:
             self.loader = DataLoader(_WithIndex(dataset), sampler=self.sampler, **kwargs)
 
     def open(self, indices: Sequence[int] | None = None) -> Iterator:
-        """Start the epoch's workers now (on the calling thread) and return the stream: ``(index, sample)``
-        pairs for map-style datasets, raw samples for iterable ones (the loader numbers them)."""
+        """The epoch's stream: ``(index, sample)`` pairs for map-style datasets, raw samples for iterable ones
+        (the loader numbers them). The workers start at the first ``next()``, on the thread that reads the
+        stream -- the collation thread's helper, not the trainer's (main) thread: there torch would install its
+        SIGCHLD handler, which raises a dead worker's error at an arbitrary point of the trainer's code (or
+        not at all when the process was reaped first); evenflow watches its workers itself (calls.py)."""
         if not self.iterable:
             self.sampler.indices = list(indices)
-        stream = iter(self.loader)
+        if self.pids is not None and not self.persistent:
+            self.pids[:] = [0] * self.num_workers  # last pass's workers are gone; this pass's note theirs
+        stream = _started(self.loader)
         return _unpacked(stream) if self.packed else stream
+
+    def dead_workers(self) -> str | None:
+        """This pass's workers that are no longer running, e.g. ``"DataLoader worker 1 (pid 4242)"``, or None."""
+        if self.pids is None:
+            return None
+        dead = [(w, pid) for w, pid in enumerate(self.pids[:]) if pid > 0 and not pid_alive(pid)]
+        if not dead:
+            return None
+        return ", ".join(f"DataLoader worker {w} (pid {pid})" for w, pid in dead)
+
+
+def _context(context: object):
+    """The multiprocessing context the DataLoader starts its workers with (its default: torch.multiprocessing's)."""
+    if context is None:
+        return torch.multiprocessing.get_context()
+    if isinstance(context, str):
+        return torch.multiprocessing.get_context(context)
+    return context
 
