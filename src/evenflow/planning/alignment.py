@@ -127,9 +127,9 @@ def _canonical(obj: object) -> object:
     return obj
 
 
-REPORT_WIDTH = 14
+REPORT_WIDTH = 15
 """int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error, stop_step,
-epoch, data, resume, pid, host, stream (see :class:`RankReport`)."""
+epoch, data, resume, pid, host, stream, content (see :class:`RankReport`)."""
 
 NO_VALUE = -1
 """``stop_step`` / ``resume`` / ``pid`` / ``host`` when a rank has nothing to report there."""
@@ -165,11 +165,14 @@ class RankReport:
     stream: int = NO_VALUE
     """Iterable datasets, an epoch's first round: fingerprint of the first samples this rank buffered. Equal on
     every rank = identical streams, refused (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
+    content: int = NO_VALUE
+    """Map-style datasets: fingerprint of a few items' lengths and head tokens (NOTE [ Sharding mistakes ]), or
+    NO_VALUE when this rank could not read them in time -- compared only among the ranks that could."""
 
     def to_array(self) -> np.ndarray:
         return np.array([self.fingerprint, self.num_groups, self.num_samples, int(self.exhausted), self.unread,
                          int(self.stop), int(self.error), self.stop_step, self.epoch, self.data, self.resume,
-                         self.pid, self.host, self.stream], dtype=np.int64)
+                         self.pid, self.host, self.stream, self.content], dtype=np.int64)
 
     @classmethod
     def from_array(cls, row: Sequence[int]) -> RankReport:
@@ -204,6 +207,12 @@ def _check_agreement(table: np.ndarray) -> None:
         if (values != values[0]).any():
             by_value = {_show(col, int(v)): np.flatnonzero(values == v).tolist() for v in np.unique(values)}
             raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
+    content = table[:, _CONTENT_COL]
+    known = content[content != NO_VALUE]
+    if (known != known[:1]).any():
+        col, what, fix = _AGREEMENT[2]
+        by_value = {int(v): np.flatnonzero(content == v).tolist() for v in np.unique(known)}
+        raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
     streams = table[:, _STREAM_COL]
     if len(streams) > 1 and streams[0] != NO_VALUE and (streams == streams[0]).all():
         raise ValueError(f"all {len(streams)} ranks read the same first samples from their IterableDataset: an "
@@ -221,6 +230,7 @@ def _show(col: int, value: int) -> object:
 
 _RESUME_COL = 10
 _STREAM_COL = 13
+_CONTENT_COL = 14
 _AGREEMENT = (
     (0, "the loader configuration (fingerprint)", "every rank must build its loader with the same seed, budgets, "
         "buffer_size, join, balance, grad_accum_steps and world size"),

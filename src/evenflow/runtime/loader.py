@@ -462,17 +462,20 @@ class DynamicBatchLoader:
 
     def _report_fields(self) -> dict:
         try:
-            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset), self._content_print())
+            kind = "iterable" if self.streams.iterable else ("map", len(self.dataset))
+            content = () if self.streams.iterable else self._content_print()
         except Exception:  # noqa: BLE001 - len() failing is reported by _open_stream in the same round
-            kind = "len() failed"
+            kind, content = "len() failed", ()
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
-                    host=_HOST)
+                    host=_HOST, content=config_fingerprint(content) if content else NO_VALUE)
 
     def _content_print(self) -> tuple:
         """A few items' lengths and head tokens, equal on every rank iff the ranks hold the same dataset (NOTE
-        [ Sharding mistakes ] in shard_check.py); read once per loader, only when there are peers to compare."""
+        [ Sharding mistakes ] in shard_check.py); read once per loader, only when there are peers to compare,
+        and within ``worker_timeout`` (past it: not compared)."""
         if self._content is None:
-            self._content = content_print(self.dataset, self.spec.length_fn) if self.world_size > 1 else ()
+            self._content = (content_print(self.dataset, self._call_limit().total_seconds())
+                             if self.world_size > 1 else ())
         return self._content
 
     def _on_yield(self, release: Release) -> None:

@@ -23,7 +23,8 @@ NOTE [ Sharding mistakes ]
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,28 +41,37 @@ MIN_STREAM = 4
 """Fewest buffered samples a stream fingerprint is taken from (fewer: not compared)."""
 
 
-def _signature(sample: object, length_fn: Callable | None) -> tuple[int, int] | None:
-    """(length, digest of the head tokens) of one sample, or None when it is not a token sample."""
+def _signature(sample: object) -> tuple[int, int] | None:
+    """(number of input ids, digest of the head tokens) of one sample, or None when it is not a token sample.
+    No ``length_fn``: user code that could block stays on the collation thread, where it is bounded."""
     if not isinstance(sample, Mapping) or sample.get("input_ids") is None:
         return None
     ids = sample["input_ids"]
     head = ids[:HEAD_TOKENS].numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids[:HEAD_TOKENS])
-    length = length_fn(sample) if length_fn is not None else len(ids)
-    length = int(length.item() if isinstance(length, torch.Tensor) else length)
+    length = len(ids)
     digest = int.from_bytes(hashlib.blake2b(np.ascontiguousarray(head, dtype=np.int64).tobytes(),
                                             digest_size=7).digest(), "little")
     return length, digest
 
 
-def content_print(dataset: Sequence, length_fn: Callable | None) -> tuple:
-    """Stable per-item facts of ``PICKS`` spread items (NOTE [ Sharding mistakes ]); ``()`` when none are."""
+def content_print(dataset: Sequence, limit_s: float | None = None) -> tuple:
+    """Stable per-item facts of ``PICKS`` spread items (NOTE [ Sharding mistakes ]); ``()`` when none are, or
+    when reading them takes longer than ``limit_s`` (a ``__getitem__`` that blocks is then met -- and named,
+    under ``worker_timeout`` -- by the epoch's own stream; the reader thread is left behind, a daemon)."""
     n = len(dataset)
     picks = sorted({(k * n) // PICKS for k in range(PICKS)} - {n}) if n else []
-    try:
-        first = [_signature(dataset[i], length_fn) for i in picks]
-        again = [_signature(dataset[i], length_fn) for i in picks]
-    except Exception:  # noqa: BLE001 - a failing item is reported by the epoch's own stream, with its index
+    got: list = []
+
+    def read() -> None:
+        got.append([_signature(dataset[i]) for i in picks])
+        got.append([_signature(dataset[i]) for i in picks])
+
+    reader = threading.Thread(target=read, name="evenflow-shard-check", daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    if len(got) < 2:  # timed out, or a failing item (reported by the epoch's own stream, with its index)
         return ()
+    first, again = got
     if any(s is None for s in first + again):
         return ()
     lengths = tuple(a[0] for a in first) if all(a[0] == b[0] for a, b in zip(first, again)) else None
@@ -73,7 +83,7 @@ def stream_print(samples: Sequence[object]) -> int:
     """Fingerprint of a rank's first buffered samples (lengths and head tokens); NO_VALUE with fewer than
     ``MIN_STREAM`` (a short stream's few samples could coincide across ranks by chance)."""
     try:  # runs inside the round's report: it must never raise (a peer would wait for this rank)
-        signatures = [_signature(s, None) for s in samples[:PICKS]]
+        signatures = [_signature(s) for s in samples[:PICKS]]
     except Exception:  # noqa: BLE001 - an odd sample is measured (and reported) by the loader itself
         return NO_VALUE
     if len(signatures) < MIN_STREAM or any(s is None for s in signatures):
