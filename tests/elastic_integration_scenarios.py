@@ -2,7 +2,7 @@
 
 Kept module-level so spawn-started ranks can import them. Each returns plain data (sample ids per step, the
 LR reference, the epoch HF reported), or the error text. The Accelerate, DCP and list recipes are the code
-blocks of docs/readme_20.md, executed as written (``snippet``).
+blocks of README.md, executed as written (``snippet``).
 """
 
 from __future__ import annotations
@@ -76,16 +76,16 @@ def lightning_stop(record) -> int:
     return isc._mid_epoch_step(windows)
 
 
-# -- the README recipes (docs/readme_20.md), executed as written -------------------------------------------------
-README = Path(__file__).resolve().parents[1] / "docs" / "readme_20.md"
+# -- the README recipes, executed as written -------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
 SAVE_AT = 3
 
 
 def snippet(name: str) -> str:
-    """The code block tagged ``<!-- snippet: name -->`` in docs/readme_20.md."""
+    """The code block tagged ``<!-- snippet: name -->`` in README.md."""
     match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```\w*\n(.*?)```", README.read_text(), re.S)
     if match is None:
-        raise LookupError(f"docs/readme_20.md has no snippet {name!r}")
+        raise LookupError(f"README.md has no snippet {name!r}")
     return match.group(1)
 
 

@@ -5,7 +5,7 @@ Lightning (``ModelCheckpoint``), Accelerate (``save_state`` with ``LoaderCheckpo
 ``torch.distributed.checkpoint`` (``LoaderCheckpoint`` as the Stateful) and plain per-rank state files; a 1-rank
 world resumes HF, Lightning, Accelerate and the plain files (``resume_from_checkpoint``, ``ckpt_path``,
 ``load_state``, ``load_state_dict(list)``), a 3-rank world the DCP one. The Accelerate, DCP and list recipes
-are the code blocks of docs/readme_20.md, run as written (the README's "Elastic and multi-node" recipes).
+are the code blocks of the README's "Elastic and multi-node" section, run as written.
 Checked: every sample of each completed epoch trained exactly once over the work kept at the checkpoint plus
 the resumed run, the token LR rule kept the reference it was saved with (budget x 2 ranks x accumulation, not
 x 1), HF's epoch fraction did not restart from 0, and the bare loader given to DCP (which keeps one copy of a

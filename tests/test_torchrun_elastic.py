@@ -35,13 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("elastic_job.py")
 N, EVERY, DELAY = 2400, 3, 0.05
 DEADLINE_S = 150.0
-README = ROOT / "docs" / "readme_20.md"
+README = ROOT / "README.md"
 
 
 def snippet(name: str) -> str:
-    """The code block tagged ``<!-- snippet: name -->`` in docs/readme_20.md (the README's torchrun recipes)."""
+    """The code block tagged ``<!-- snippet: name -->`` in README.md (its torchrun recipes)."""
     match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```\w*\n(.*?)```", README.read_text(), re.S)
-    assert match, f"docs/readme_20.md has no snippet {name!r}"
+    assert match, f"README.md has no snippet {name!r}"
     return match.group(1)
 
 

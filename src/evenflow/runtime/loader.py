@@ -91,10 +91,9 @@ class DynamicBatchLoader:
     - ``join``: ``True`` -- each sample of the epoch exactly once across ranks, ranks that run dry yield IDLE
       batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
     - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
-    - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM,
-      and more length-homogeneous steps: a buffer holding a whole shard puts each length with its neighbours,
-      which at matched optimizer steps can cost quality -- the demo measured held-out 5.461 at 4,096 vs 5.339
-      at 128 and 5.316 for random fixed batches; ``benchmarks/quality_replay.py``).
+    - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM;
+      under the default policy the steps stay mixed and unordered at any size -- README, "What the default
+      trains").
     - ``depth``: ready batches kept ahead of the trainer.
     - ``cost``: ``"padded"`` or ``"summed"`` (padding-free; switches the default collate to ``FlatCollate``).
     - ``max_samples``: cap on samples per batch (``None``: no cap).

@@ -65,14 +65,13 @@ def resolve_planning(requested: str, world_size: int, *, balance: bool, planning
         resolves the same policy; a rank that resolves differently is refused at the first exchange
         (:func:`check_planning`) naming both settings.
 
-        The default is chosen on batching (steps, padding, rank balance), not on what the batches train. Global
-        steps are the most length-homogeneous (W cost-neighbour groups per step are also length neighbours):
-        in the demo's single-process replay (``benchmarks/quality_replay.py``: a 0.39M-parameter model, 1,000
-        chats, 2 ranks, buffer 128, matched optimizer steps) they trained worse than the local policy's on 6
-        of 8 seeds (held-out median +0.056 nats/token; mean over seeds: random fixed batches 5.340, local
-        5.377, global 5.401). Pairing each round's fewest-sample group with its most-sample one (same groups,
-        same steps) gave 5.349, better than global on 7 of 8 seeds; not yet in the planner (README, "What the
-        default does not promise"). Check held-out quality, not only throughput, when you switch.
+        What the default trains is part of the plan (issue 18, evenflow.planning.global_mix): each optimizer
+        step takes its micro-batches from different length strata, and each round emits a systematic sample
+        of its groups in random order, so steps are mixed (H_g <= 1 against a random deal of the same
+        micro-batches) and the epoch runs in no length curriculum. Measured in the demo's single-process
+        replay (``benchmarks/quality_replay.py``, 16 seeds, paired with random fixed batches at matched
+        steps, held-out nats/token): the library default -0.003 [95 % CI -0.041, +0.034], the pre-issue-18
+        cost-ordered steps +0.104, local +0.082. Check held-out quality, not only throughput, when you switch.
 
     >>> [resolve_planning("auto", w, balance=False, planning_group=None) for w in (1, 2, 64, 65)]
     ['local', 'global', 'global', 'local']
