@@ -16,6 +16,13 @@ _LEFTOVER_GRACE_S = 15.0
 _SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers) each worker gets a process group of its own, so the
+    leftover check below sees only the processes of its own worker's tests."""
+    if hasattr(config, "workerinput"):
+        os.setpgrp()
+
+
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, parent pid, process group) of ``pid``, or None when it is gone."""
     try:

@@ -40,6 +40,7 @@ def conversations(n: int) -> list:
 
 
 def main(out_dir: str, padding_free: bool) -> None:
+    import datasets
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     from trl import SFTConfig
@@ -47,6 +48,7 @@ def main(out_dir: str, padding_free: bool) -> None:
     from evenflow.data.chat import qwen_tokenizer_dir
     from evenflow.integrations.trl import DynamicBatchSFTTrainer
 
+    datasets.disable_caching()  # no fingerprint hashing of the 151k-token tokenizer per map (~7 s a trainer)
     tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -107,6 +109,7 @@ def expected_labels(tok, template: str, messages: list, prompt_turns: int | None
 
 
 def assistant_only(out_dir: str) -> None:
+    import datasets
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     from trl import SFTConfig
@@ -115,6 +118,7 @@ def assistant_only(out_dir: str) -> None:
     from evenflow.data.chat import qwen_tokenizer_dir
     from evenflow.integrations.trl import DynamicBatchSFTTrainer
 
+    datasets.disable_caching()  # no fingerprint hashing of the 151k-token tokenizer per map (~7 s a trainer)
     tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     tok.chat_template = qwen3_training_chat_template
     config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

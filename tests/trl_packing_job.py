@@ -36,16 +36,17 @@ def independent_metrics(model, inputs: dict, labels: torch.Tensor) -> dict:
     """Entropy sum, top-1 hits and supervised tokens of one micro-batch from the full logits (float64)."""
     with torch.no_grad():
         forward = {k: v for k, v in inputs.items() if k not in ("labels", STEP_INFO_KEY)}
-        logits = model(**forward).logits[:, :-1].double()
         target = labels[:, 1:]
         mask = target != -100
+        logits = model(**forward).logits[:, :-1][mask].double()  # supervised positions only
         logp = torch.log_softmax(logits, dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
-        hits = (logits.argmax(-1) == target) & mask
-        return {"entropy_sum": float(entropy[mask].sum()), "hits": int(hits.sum()), "count": int(mask.sum())}
+        hits = logits.argmax(-1) == target[mask]
+        return {"entropy_sum": float(entropy.sum()), "hits": int(hits.sum()), "count": int(mask.sum())}
 
 
 def main(out_dir: str, variant: str) -> None:
+    import datasets
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     from trl import SFTConfig
@@ -53,6 +54,7 @@ def main(out_dir: str, variant: str) -> None:
     from evenflow.data.chat import qwen_tokenizer_dir
     from evenflow.integrations.trl import DynamicBatchSFTTrainer
 
+    datasets.disable_caching()  # no fingerprint hashing of the 151k-token tokenizer per map (7 s a trainer)
     tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
     config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
