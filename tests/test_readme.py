@@ -121,7 +121,7 @@ def test_demo_quick_path_and_report_keys(tmp_path):
     assert (tmp_path / "demo_report.png").stat().st_size > 1000
 
 
-# -- the plain-HF packing snippet (the TRL and other quick starts run in tests/test_readme_21.py) ------------
+# -- the plain-HF packing snippet (the TRL and other quick starts run in tests/test_quick_starts.py) ------------
 def _python_block(marker: str) -> str:
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     found = [b for b in blocks if marker in b]
