@@ -92,8 +92,8 @@ class DynamicBatchLoader:
       batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
     - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
     - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM;
-      under the default policy the steps stay mixed and unordered at any size -- README, "What the default
-      trains").
+      the default policy mixes lengths within each step and emits no length curriculum at any size -- README,
+      "What the default trains").
     - ``depth``: ready batches kept ahead of the trainer.
     - ``cost``: ``"padded"`` or ``"summed"`` (padding-free; switches the default collate to ``FlatCollate``).
     - ``max_samples``: cap on samples per batch (``None``: no cap).
