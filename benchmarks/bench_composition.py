@@ -16,8 +16,12 @@ lengths each). Then:
 
 * the frontier: per-step imbalance against H_g as ``mix_tolerance`` widens the cost bands, next to the bound a
   perfect mix within bands would reach (NOTE [ Stratified steps ]) -- why H_g <= 1 is out of reach at W = 8;
+* accumulation: the same token budget per optimizer step split into 2 micro-batches per rank
+  (``token_budget=8192, grad_accum_steps=2``) -- a step holds 2W length-homogeneous micro-batches instead of W,
+  and the round order (NOTE [ Round order ]) pairs a short one with a long one inside each window;
 * the real loader: 4 gloo ranks running ``DynamicBatchLoader`` with its defaults on chitchat x1 (all 7,168
-  chats) and hh-rlhf x4, composition and batching of what the ranks really trained.
+  chats) and hh-rlhf x4, composition and batching of what the ranks really trained; then the same with
+  ``token_budget=8192, grad_accum_steps=2``.
 
     .venv/bin/python benchmarks/bench_composition.py [--quick] [--skip-real]
 
@@ -40,7 +44,7 @@ import real_data  # noqa: E402
 from _world import run_world  # noqa: E402
 
 from evenflow.planning import GroupingConfig  # noqa: E402
-from evenflow.planning.global_plan import global_groups  # noqa: E402
+from evenflow.planning.pooled.plan import global_groups  # noqa: E402
 from evenflow.sim import Schedule, balanced_schedule, evenflow_schedule, global_schedule  # noqa: E402
 from evenflow.sim.composition import step_composition  # noqa: E402
 
@@ -91,6 +95,20 @@ def sim_table(sets: dict[str, np.ndarray]) -> dict:
     return out
 
 
+def accumulation(sets: dict[str, np.ndarray]) -> dict:
+    """The default with the budget split over 2 accumulated micro-batches: composition per optimizer step."""
+    out: dict = {}
+    grouping = GroupingConfig(token_budget=BUDGET // 2, oversize="alone")
+    for name, ls in sets.items():
+        for world in WORLDS:
+            s = global_schedule(ls, world_size=world, grouping=grouping)
+            comp = step_composition(s, ls, grad_accum_steps=2)
+            out.setdefault(name, {})[str(world)] = {**batching(s, ls), "steps": int(comp["S"]),
+                                                     "over_budget": int((ls > BUDGET // 2).sum()),
+                                                     **{k: float(v) for k, v in comp.items() if k != "S"}}
+    return out
+
+
 def _band_bound(times: np.ndarray, keys: np.ndarray, tokens: np.ndarray, world: int, tol: float) -> float:
     """Var of the step key if every cost band (ratio <= 1 + tol, whole steps) were mixed perfectly: each of its
     steps would have the band's token-weighted key. A lower bound for any deal that stays within the bands."""
@@ -136,12 +154,13 @@ def frontier(sets: dict[str, np.ndarray]) -> dict:
 
 # -- the real loader on 4 gloo ranks ----------------------------------------------------------------------
 
-def _real_rank(rank: int, world: int, lengths: np.ndarray) -> list:
+def _real_rank(rank: int, world: int, lengths: np.ndarray, accum: int = 1) -> list:
     import evenflow
     from bench_loader import TokenLengths
 
     steps = []
-    with evenflow.DynamicBatchLoader(TokenLengths(lengths), token_budget=BUDGET, seed=0, oversize="alone") as loader:
+    with evenflow.DynamicBatchLoader(TokenLengths(lengths), token_budget=BUDGET // accum, grad_accum_steps=accum,
+                                     seed=0, oversize="alone") as loader:
         for batch in loader:
             steps.append(list(evenflow.pop_step_info(batch).sample_ids))
     return steps
@@ -158,16 +177,21 @@ def real_loader(quick: bool) -> dict:
     grouping = GroupingConfig(token_budget=BUDGET, oversize="alone")
     for name, ls in sets.items():
         t0 = time.perf_counter()
-        per_rank = run_world(_real_rank, REAL_WORLD, ls, timeout=1800)
-        n_steps = len(per_rank[0])
-        assert all(len(r) == n_steps for r in per_rank), "ranks yielded different step counts"
-        s = Schedule.from_steps([[per_rank[r][k] for r in range(REAL_WORLD)] for k in range(n_steps)], REAL_WORLD)
-        s.check_exactly_once(ls.size)
         today = global_schedule(ls, world_size=REAL_WORLD, grouping=grouping, mix="cost_order")
-        out[name] = {"samples": int(ls.size), "wall_s": round(time.perf_counter() - t0, 1),
+        out[name] = {"samples": int(ls.size),
                      "oracle_steps": bl.oracle(np.minimum(ls, BUDGET), world_size=REAL_WORLD, token_budget=BUDGET).num_steps,
-                     "real_default": {**batching(s, ls), **{k: float(v) for k, v in step_composition(s, ls).items()}},
                      "today_sim": {**batching(today, ls), **{k: float(v) for k, v in step_composition(today, ls).items()}}}
+        out[name]["over_budget"] = {"1": int((ls > BUDGET).sum()), "2": int((ls > BUDGET // 2).sum())}
+        for accum, key in ((1, "real_default"), (2, "real_accum2")):
+            per_rank = run_world(_real_rank, REAL_WORLD, ls, accum, timeout=1800)
+            n_steps = len(per_rank[0])
+            assert all(len(r) == n_steps for r in per_rank), "ranks yielded different step counts"
+            s = Schedule.from_steps([[per_rank[r][k] for r in range(REAL_WORLD)] for k in range(n_steps)], REAL_WORLD)
+            s.check_exactly_once(ls.size)
+            comp = step_composition(s, ls, grad_accum_steps=accum)
+            out[name][key] = {**batching(s, ls), "steps": int(comp["S"]),
+                              **{k: float(v) for k, v in comp.items() if k != "S"}}
+        out[name]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"[composition] real loader {name} done ({out[name]['wall_s']} s)", file=sys.stderr, flush=True)
     return out
 
@@ -188,6 +212,19 @@ def markdown(res: dict) -> str:
         for w, row in by_w.items():
             md += [f"**{name}, W = {w}** (global oracle: {row['oracle_steps']} steps)", "", *head]
             md += [_row(p, row[p]) for p in POLICIES if p in row] + [""]
+    if res.get("accumulation"):
+        md += ["**Accumulation** (the default at `token_budget=8192, grad_accum_steps=2`: the same tokens per optimizer "
+               "step in 2W micro-batches; steps = optimizer steps, imbalance per micro-step; `alone` = samples longer than "
+               "8,192, trained alone above the micro-batch budget -- where it is not 0 the split is no real option):", "",
+               "| data | W | steps (vs W micro-batches) | padded eff. | imbalance | H | H_g | late | q_cv | alone |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, by_w in res["accumulation"].items():
+            for w, p in by_w.items():
+                one = res["sim"][name][w]["default"]
+                md.append(f"| {name} | {w} | {p['steps']} ({one['steps']}) | {p['padded_efficiency']:.3f} | "
+                          f"{p['imbalance']:.3f} | {p['H']:.2f} | {p['H_g']:.2f} | {p['late']:.2f} | {p['q_cv']:.3f} | "
+                          f"{p['over_budget']} |")
+        md.append("")
     if res.get("frontier"):
         md += ["**Frontier** (`mix_tolerance` -> mean imbalance, H_g, and H_g's bound for a perfect mix inside the "
                "bands):", "", "| data | W | " + " | ".join(str(t) for t in TOLERANCES) + " |",
@@ -202,7 +239,10 @@ def markdown(res: dict) -> str:
         md += [f"**Real loader, {REAL_WORLD} gloo ranks, defaults** (`today` = the pre-issue-18 planner, simulated; "
                "the simulator equals the loader step for step):", "", *head]
         for name, r in res["real"].items():
-            md += [_row(f"{name} default (real, oracle {r['oracle_steps']})", r["real_default"]),
+            alone = r["over_budget"]
+            md += [_row(f"{name} default (real, oracle {r['oracle_steps']}; {alone['1']} alone)", r["real_default"]),
+                   _row(f"{name} default, 8,192 x accumulation 2 (real; steps = optimizer steps; {alone['2']} alone)",
+                        r["real_accum2"]),
                    _row(f"{name} today (sim)", r["today_sim"])]
     return "\n".join(md)
 
@@ -210,14 +250,17 @@ def markdown(res: dict) -> str:
 def summary(res: dict) -> dict:
     d = {f"{n}_W{w}": {k: round(row["default"][k], 3) for k in ("H", "H_g", "late", "q_cv", "imbalance")}
          for n, by_w in res["sim"].items() for w, row in by_w.items()}
-    d.update({f"real_{n}": {k: round(r["real_default"][k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "imbalance")}
-              for n, r in res.get("real", {}).items()})
+    d.update({f"accum2_{n}_W{w}": {k: round(p[k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "imbalance")}
+              for n, by_w in res.get("accumulation", {}).items() for w, p in by_w.items()})
+    for n, r in res.get("real", {}).items():
+        for key, tag in (("real_default", "real"), ("real_accum2", "real_accum2")):
+            d[f"{tag}_{n}"] = {k: round(r[key][k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "imbalance")}
     return d
 
 
 def run(quick: bool = False, real: bool = True) -> dict:
     sets = datasets(quick)
-    res = {"sim": sim_table(sets), "frontier": frontier(sets)}
+    res = {"sim": sim_table(sets), "accumulation": accumulation(sets), "frontier": frontier(sets)}
     if real:
         res["real"] = real_loader(quick)
     res["json"] = summary(res)

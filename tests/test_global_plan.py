@@ -1,4 +1,4 @@
-"""The global round plan (evenflow.planning.global_plan): invariants, drain, movement vs exact assignment."""
+"""The global round plan (evenflow.planning.pooled.plan): invariants, drain, movement vs exact assignment."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 from evenflow.planning import GroupingConfig, plan
-from evenflow.planning import global_plan
-from evenflow.planning.global_plan import (GlobalPlanConfig, _greedy_bounds, _greedy_bounds_extra, global_groups,
-                                           plan_global_round)
+from evenflow.planning.pooled import plan as global_plan
+from evenflow.planning.pooled.groups import _greedy_bounds, _greedy_bounds_extra
+from evenflow.planning.pooled.plan import GlobalPlanConfig, global_groups, plan_global_round
 from evenflow.planning.timecost import PhaseTime, TimeCost
 
 

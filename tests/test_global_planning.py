@@ -1,7 +1,7 @@
 """planning="global" on real gloo worlds (3 and 4 ranks): every loader guarantee, and better-balanced steps.
 
 One spawned world per size runs every scenario (tests/_dist.py: file:// rendezvous, hard deadline). The pure
-round planner (evenflow.planning.global_plan, as the runtime calls it) is checked against brute force in one process.
+round planner (evenflow.planning.pooled.plan, as the runtime calls it) is checked against brute force in one process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import evenflow
 import loader_scenarios as sc
 from _dist import run_world
 from evenflow.planning import GroupingConfig
-from evenflow.planning.global_plan import GlobalPlanConfig, global_groups, plan_global_round, round_target
+from evenflow.planning.pooled.plan import GlobalPlanConfig, global_groups, plan_global_round, round_target
 from test_loader_dist import _check_epoch, _reference
 
 GLOBAL = dict(planning="global")

@@ -1,7 +1,7 @@
 """Issue 18: what the default plans train -- the composition metrics, and the stratified mix that meets them.
 
 The metrics (:mod:`evenflow.sim.composition`) are checked on schedules whose answer is known (random batches,
-a curriculum), the pure pieces of the mix (:mod:`evenflow.planning.global_mix`) on small cases, and the default
+a curriculum), the pure pieces of the mix (:mod:`evenflow.planning.pooled.mix`) on small cases, and the default
 against the pre-issue-18 planner (``mix="cost_order"``) on seeded chat-like epochs: steps mixed and unordered,
 batching as tight.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from evenflow.planning import AlignmentConfig, GroupingConfig
-from evenflow.planning.global_mix import EpochProgress, band_steps, round_order, select_steps, systematic
+from evenflow.planning.pooled.mix import EpochProgress, band_steps, round_order, select_steps, systematic
 from evenflow.sim import Schedule, global_schedule
 from evenflow.sim.composition import step_composition
 

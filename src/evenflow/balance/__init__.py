@@ -12,8 +12,8 @@
 - topology.py     -- which rank gets which balanced bucket: exact assignment on bytes, bottleneck-link MILP
 - rebalance.py    -- one loader step: move samples between ranks' groups under the padded budget
 - dispatch.py     -- the only torch.distributed part: all-to-all of samples and a differentiable all-to-all
-- orchestrator.py -- multi-phase MLLMs: a plan per phase (orch_meta, orch_plan, orch_routing: pure),
-                     composed routing of encoder outputs
+- orchestrator/   -- multi-phase MLLMs: a plan per phase (meta, plan, routing: pure), composed routing of
+                     encoder outputs (runtime)
 """
 
 from .costs import QuadraticCost, as_costs, fit_quadratic, item_costs, padded_cost, summed_cost

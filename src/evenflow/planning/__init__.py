@@ -4,15 +4,15 @@
 - alignment.py -- the DGAP round: every rank evaluates the same rule on the same gathered metadata
 - loss.py      -- supervised-token counts and loss scales that make DDP + accumulation exact
 - simulate.py  -- the protocol for W ranks in one process (model checker, simulator, benchmarks)
-- global_plan.py -- one global round: groups over the union of all buffers, balanced mixed steps, least movement
-  (its steps live in global_groups.py -- grouping the union, the drain --, global_mix.py -- what each step is
-  made of and which steps a round emits -- and global_place.py -- placing groups on ranks with least movement)
+- pooled/      -- global planning, one round over the pooled buffers of all ranks: plan.py (the entry point:
+                  balanced mixed steps, least movement), groups.py (grouping the union, the drain), mix.py (what
+                  each step is made of and which steps a round emits), place.py (groups to ranks, least movement)
 - timecost.py  -- the fitted per-item time cost f(L) = gamma + alpha L + beta L^2 planners balance on
 """
 
 from .alignment import (AlignmentConfig, Item, RankPlanner, RankReport, RoundDecision, config_fingerprint,
                         decide_round, wait_bound)
-from .global_plan import EpochProgress, GlobalPlanConfig, GlobalRoundPlan, plan_global_round
+from .pooled.plan import EpochProgress, GlobalPlanConfig, GlobalRoundPlan, plan_global_round
 from .grouping import GroupingConfig, GroupingResult, group_costs, plan, plan_groups
 from .loss import LossTokenRule, count_loss_tokens, loss_scale, step_loss_scales, window_totals
 from .simulate import EpochTrace, SampleMeta, make_planners, run_epoch

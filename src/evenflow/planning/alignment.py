@@ -415,7 +415,7 @@ class RankPlanner:
     def take(self, positions: Sequence[int]) -> list[Item]:
         """Remove the samples at ``positions`` from the buffer and count one emitting round (the ageing clock):
         what :meth:`apply` does once a round's slots are chosen, for plans made over several ranks' buffers
-        (``planning="global"``, evenflow.planning.global_plan). Returns the removed items in that order."""
+        (``planning="global"``, evenflow.planning.pooled.plan). Returns the removed items in that order."""
         taken = [self.buffer[int(i)] for i in positions]
         self._remove({int(i) for i in positions})
         self.rounds += 1

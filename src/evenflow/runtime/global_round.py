@@ -5,8 +5,8 @@ choosing its own groups:
 
     exchange A (inside the planning group): every buffered sample's (length, age, extras) -- metadata only
     [more than one planning group: exchange B, every group's union groups and samples, to agree on T by
-    evenflow.planning.global_plan.round_target; one group: the plan chooses T itself]
-    every rank evaluates the same pure plan (evenflow.planning.global_plan.plan_global_round over the
+    evenflow.planning.pooled.plan.round_target; one group: the plan chooses T itself]
+    every rank evaluates the same pure plan (evenflow.planning.pooled.plan.plan_global_round over the
     group's k ranks, with the group's buffers as the union)
     exchange F (world-wide): one flag per rank -- did planning or pickling fail? (NOTE [ Planning failures
     are shared ]); any flag turns the round into an error round on every rank
@@ -47,7 +47,7 @@ import numpy as np
 
 from ..balance.dispatch import exchange_packed, pack_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
-from ..planning.global_plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
+from ..planning.pooled.plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
 from ..planning.grouping import GroupingConfig
 from .balancing import BalancedRound
 from .comm import MetadataExchange, PlanningGroups

@@ -65,7 +65,7 @@ def resolve_planning(requested: str, world_size: int, *, balance: bool, planning
         resolves the same policy; a rank that resolves differently is refused at the first exchange
         (:func:`check_planning`) naming both settings.
 
-        What the default trains is part of the plan (issue 18, evenflow.planning.global_mix): each optimizer
+        What the default trains is part of the plan (issue 18, evenflow.planning.pooled.mix): each optimizer
         step takes its micro-batches from different length strata, and each round emits a systematic sample
         of its groups in random order: the epoch runs in no length curriculum, and steps are more mixed than
         before on every measured row (H_g <= 1 against a random deal of the same micro-batches at W = 2;

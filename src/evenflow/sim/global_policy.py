@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..planning import AlignmentConfig, GroupingConfig
-from ..planning.global_plan import EpochProgress, GlobalPlanConfig, plan_global_round
+from ..planning.pooled.plan import EpochProgress, GlobalPlanConfig, plan_global_round
 from ..planning.timecost import TimeCost
 from .policies import shard
 from .schedule import Schedule

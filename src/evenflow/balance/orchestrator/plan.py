@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .orch_meta import ExampleMeta, OrchestratorConfig, PhaseSpec
-from .planners import loads, plan_balance
+from .meta import ExampleMeta, OrchestratorConfig, PhaseSpec
+from ..planners import loads, plan_balance
 
 __all__ = ["PhasePlan", "StepPlan", "plan_step"]
 

@@ -27,10 +27,10 @@ NOTE [ A round emits a sample of the buffer ]
     stratum goes at its own rate and, over rounds, every position in a chunk is hit. Two corrections:
     * bounded waiting: the step holding the oldest item goes once that item has waited ``max_wait_rounds``
       (it replaces its own chunk's pick), so NOTE [ Choosing whole steps ]'s bound holds;
-    * steering: groups are lumpy (a group of 300 tiny chats is one pick), so the epoch's running mean sample
-      length drifts. When the emitted-so-far mean (``EpochProgress``) is off the mean of everything seen
-      (emitted + buffered) by more than ``STEER_TOLERANCE`` (relative), picks are swapped *within* their
-      chunks (a chunk keeps its length stratum) until it is back.
+    * steering: groups are lumpy (a group of 300 tiny chats is one pick), so a round's mean sample length
+      drifts from the epoch's. When the round's picks are off the mean of everything seen so far (emitted
+      before, per ``EpochProgress``, and buffered) by more than ``STEER_TOLERANCE`` (relative), picks are
+      swapped *within* their chunks (a chunk keeps its length stratum) until they are back.
     Open groups -- the partial group at the short end, which could still take an item -- sit out while the
     buffer refills (they fill up instead of costing an extra step), as the ``G mod W`` least full ones do.
 
@@ -56,7 +56,6 @@ STEER_TOLERANCE = 0.02
 """Steering starts when the emitted mean sample length is off its target by more than this fraction."""
 
 STEER_PASSES = 3
-STEER_MODE = "round"
 """Coordinate-descent passes over the chunks when steering (a count, not a clock)."""
 
 
@@ -152,11 +151,10 @@ def select_steps(stats: np.ndarray, oldest: np.ndarray, steps: int, *, progress:
     chunk_of = np.empty(c, dtype=np.int64)
     chunk_of[order] = np.repeat(np.arange(steps), np.diff(bounds))
     target = (progress.tokens + buffered[1]) / max(progress.samples + buffered[0], 1)
-    n0, t0 = (progress.samples, progress.tokens) if STEER_MODE == "cum" else (0, 0)
 
     def error(n, t):
-        """Relative distance of the epoch's emitted mean sample length from the target."""
-        return np.abs((t0 + t) / np.maximum(n0 + n, 1) / target - 1)
+        """Relative distance of this round's mean sample length from the target (everything seen so far)."""
+        return np.abs(t / np.maximum(n, 1) / target - 1)
 
     forced = -1
     n_cur, t_cur = int(count[pick].sum()), int(tokens[pick].sum())

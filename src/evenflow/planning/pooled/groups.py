@@ -1,4 +1,4 @@
-"""Step 1 of the global round plan (:mod:`evenflow.planning.global_plan`): groups over the union of every rank's
+"""Step 1 of the global round plan (:mod:`evenflow.planning.pooled.plan`): groups over the union of every rank's
 buffer, and the drain's re-grouping of the last items into as many cheap groups as there are slots. Pure.
 
 Groups are slices of one sorted order (:class:`_Table`); the plan's later steps choose, deal and place them.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .grouping import GroupingConfig, padded_length, plan
+from ..grouping import GroupingConfig, padded_length, plan
 
 __all__ = ["global_groups"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .orch_plan import StepPlan
+from .plan import StepPlan
 
 __all__ = ["RankRouting", "rank_routing"]
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import QuadraticCost
-from .planners import BalanceConfig
+from ..costs import QuadraticCost
+from ..planners import BalanceConfig
 
 __all__ = ["PhaseSpec", "OrchestratorConfig", "ExampleMeta", "encode_metadata", "decode_metadata"]
 

@@ -12,7 +12,7 @@ Signature (what the runtime's global round calls on every rank, on the same gath
 * ``item_bytes[i]`` -- bytes moved if item i changes rank (default: its length);
 * ``final`` -- no rank will buffer another sample this epoch (join-mode drain): plan the rest evenly;
 * ``num_steps`` -- T fixed by the caller (``None``: chosen from the buffer); the plan has exactly T steps;
-* ``progress`` -- what the epoch emitted before (:class:`~evenflow.planning.global_mix.EpochProgress`: the
+* ``progress`` -- what the epoch emitted before (:class:`~evenflow.planning.pooled.mix.EpochProgress`: the
   round index and the samples and tokens so far; every rank advances it the same way after each plan).
 
 ``GlobalRoundPlan``: ``num_steps`` = T; ``step[i]``, ``dest[i]`` = step and rank that train item i, both
@@ -26,7 +26,7 @@ How a round is planned (every step is a function of the input only, ties broken 
    padded lengths are ordered by source rank, so groups of equal-length items come from one rank when they
    can (free locality: the cost does not change).
 2. **Balanced, mixed steps, sampled from the buffer** (``mix="stratified"``, the default;
-   :mod:`evenflow.planning.global_mix`). ``T = min(max_steps, G // W)`` steps (at least 1; more, up to
+   :mod:`evenflow.planning.pooled.mix`). ``T = min(max_steps, G // W)`` steps (at least 1; more, up to
    ``n // W``, while old groups wait). The groups are sorted by time cost
    (:class:`~evenflow.planning.timecost.TimeCost`, token-counting by default) and cut into cost bands of whole
    steps, inside which any groups may share a step (costs within ``mix_tolerance``); each band is dealt by
@@ -77,13 +77,13 @@ from typing import Literal
 
 import numpy as np
 
-# Step 1 and the drain live in global_groups.py, steps 3 and 4 in global_place.py; step 2 and the entry point here.
-from .global_groups import _drain_groups, _group_table, _split_to, _Table
-from .global_groups import _greedy_bounds, _greedy_bounds_extra, global_groups  # noqa: F401 - tests import them here
-from .global_mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
-from .global_place import _deal, _place
-from .grouping import GroupingConfig, padded_length
-from .timecost import TOKENS, TimeCost
+# Step 1 and the drain live in groups.py, steps 3 and 4 in place.py, step 2 in mix.py; the entry point here.
+from .groups import _drain_groups, _group_table, _split_to, _Table
+from .groups import global_groups
+from .mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
+from .place import _deal, _place
+from ..grouping import GroupingConfig, padded_length
+from ..timecost import TOKENS, TimeCost
 
 __all__ = ["GlobalPlanConfig", "GlobalRoundPlan", "plan_global_round", "global_groups", "round_target", "EpochProgress"]
 
@@ -112,7 +112,7 @@ class GlobalPlanConfig:
     only exact ties are grouped by source (free). Off by default: it trades padded efficiency for bytes."""
     mix: Literal["stratified", "cost_order"] = "stratified"
     """How steps are composed and chosen. ``"stratified"``: each step mixes lengths within a cost band and a
-    round emits a systematic sample of the buffer (:mod:`evenflow.planning.global_mix`). ``"cost_order"``: the
+    round emits a systematic sample of the buffer (:mod:`evenflow.planning.pooled.mix`). ``"cost_order"``: the
     planner before issue 18 -- W cost neighbours per step, the fullest steps first, costliest first; steps as
     length-homogeneous as they come and ordered like a curriculum (kept as a benchmark baseline)."""
     mix_tolerance: float = 0.02
@@ -217,7 +217,7 @@ def _inputs(lengths, sources, num_ranks, age, extra, item_bytes, config):
 def _group_stats(table: _Table, lengths: np.ndarray, ages: np.ndarray, extra: Mapping[str, np.ndarray],
                  time_cost: TimeCost) -> tuple[np.ndarray, ...]:
     """Per group: (oldest age, real tokens, lowest id, time cost, samples, length key), by reduceat over the order
-    the slices tile (length key: :func:`~evenflow.planning.global_mix.length_keys`)."""
+    the slices tile (length key: :func:`~evenflow.planning.pooled.mix.length_keys`)."""
     asc = np.argsort(table.lo, kind="stable")  # the greedy's lo descend: numpy detects the reversal
     starts = table.lo[asc]
     stats = np.empty((4, len(table)), dtype=np.int64)
@@ -306,7 +306,7 @@ def round_target(groups: Sequence[int], samples: Sequence[int], sizes: Sequence[
     return int(max(1, min(int((g // k).max()), cap, int((n[active] // k[active]).min()))))
 
 
-# -- 2'. stratified: which steps go this round (evenflow.planning.global_mix) ---------------------------------
+# -- 2'. stratified: which steps go this round (evenflow.planning.pooled.mix) ---------------------------------
 
 def _open_groups(table: _Table, lengths: np.ndarray, grouping: GroupingConfig) -> np.ndarray:
     """Groups that could still take an item as long as their longest (padded) or their shortest (summed): the

@@ -1,4 +1,4 @@
-"""Steps 3 and 4 of the global round plan (:mod:`evenflow.planning.global_plan`): deal the chosen groups into
+"""Steps 3 and 4 of the global round plan (:mod:`evenflow.planning.pooled.plan`): deal the chosen groups into
 equal-cost steps, then place each step's groups on the ranks that already hold most of their bytes. Pure.
 """
 
@@ -49,7 +49,7 @@ def _place(slot_of_item: np.ndarray, sources: np.ndarray, nbytes: np.ndarray, wo
     Sparse: a slot's items come from a few ranks, so only (slot, source rank) pairs that hold bytes are
     candidates -- never a dense ``[slots, W]`` matrix (52 M entries at 2,560 ranks). ``exact``: an exact
     assignment per step instead (the caller decides: ``EXACT_MATCH_MAX_RANKS`` in
-    :mod:`evenflow.planning.global_plan`).
+    :mod:`evenflow.planning.pooled.plan`).
     """
     units = _scaled_bytes(nbytes)
     if exact:

@@ -1,38 +1,5 @@
-"""Global orchestrator for multi-phase models (vision encoder, audio encoder, LLM): a balanced plan per phase.
-
-One step, on every rank of ``group``:
-
-1. ``gather_metadata`` -- the only exchange planning needs: per example its LLM length, supervised tokens
-   and the input rows of each media item (image patches, audio frames).
-2. ``plan_step`` -- pure: one :func:`~evenflow.balance.planners.plan_balance` per phase. Images go to
-   balanced *vision* ranks, audio clips to balanced *audio* ranks, examples to balanced *LLM* ranks. It needs
-   metadata only, so the plan for step t+1 can be computed (e.g. in a thread) while step t runs.
-3. ``step`` -- the data moves: text to its LLM rank, each phase's inputs to its encoder rank (one
-   ``all_to_all_single`` each), the encoders run, and their outputs go *directly* to the LLM rank of their
-   example in ONE differentiable all-to-all for all phases (NOTE [ Composed routing ]).
-
-NOTE [ Composed routing ]
-    An image of example e lives on rank s, is encoded on rank v = vision_dest(image) and is consumed on rank
-    l = llm_dest(e). Sending the encoder output back to s and then on to l would be two exchanges; the plan
-    knows l on every rank, so v sends it straight to l: the routing is the composition of the two
-    permutations. Example, 2 ranks: rank 0 holds e0 with a large image, rank 1 holds e1 and e2 with long
-    texts; the image is encoded on rank 1 (vision balance), e0 is trained on rank 0 and e2 moves to rank 0
-    (LLM balance): the image's output goes 1 -> 0 once. The outputs of all phases share one exchange, so the
-    backward pass has exactly one collective, issued in the same place on every rank.
-
-NOTE [ Gradients do not depend on the plan ]
-    Moving an example between data-parallel ranks changes where its loss is computed, not its value, as long
-    as the loss is normalized by the global supervised token count (``plan.total_loss_tokens``) and gradients
-    are summed across ranks (NOTE [ Loss scale ] in :mod:`evenflow.planning.loss`). The encoders have no
-    cross-item interaction (no batch norm), so each item's output is the same wherever it is encoded; the
-    backward of the all-to-all returns each output's gradient to the rank that encoded it.
-
-Every rank runs every encoder every step, with zero rows if it encodes nothing, so DDP/FSDP collectives on
-encoder parameters never diverge (and the all-to-all backward, which every rank must enter, is reached).
-
-Modules: ``orch_meta`` (config, metadata), ``orch_plan`` (``plan_step``), ``orch_routing`` (``rank_routing``),
-all pure; this one holds the tensors and the only ``torch.distributed`` calls of the orchestrator.
-"""
+"""The orchestrator's tensors and its only ``torch.distributed`` calls: metadata exchange, data moves, encoder
+output routing (the design: :mod:`evenflow.balance.orchestrator`)."""
 
 from __future__ import annotations
 
@@ -42,15 +9,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..planning.loss import LossTokenRule, count_loss_tokens
-from .dispatch import all_to_all_rows
-from .orch_meta import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata
-from .orch_plan import PhasePlan, StepPlan, plan_step
-from .orch_routing import RankRouting, rank_routing
+from ...planning.loss import LossTokenRule, count_loss_tokens
+from ..dispatch import all_to_all_rows
+from .meta import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata
+from .plan import PhasePlan, StepPlan, plan_step
+from .routing import RankRouting, rank_routing
 
-__all__ = ["PhaseSpec", "OrchestratorConfig", "ExampleMeta", "ExampleInputs", "PhasePlan", "StepPlan",
-           "RankRouting", "LLMInputs", "GlobalOrchestrator", "plan_step", "rank_routing", "encode_metadata",
-           "decode_metadata", "local_step", "Encoder"]
+__all__ = ["Encoder", "ExampleInputs", "LLMInputs", "GlobalOrchestrator", "local_step"]
 
 Encoder = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
 """``encoder(rows, item_rows) -> output rows``: ``rows`` packs the items' input rows back to back,

@@ -1,0 +1,44 @@
+"""Global orchestrator for multi-phase models (vision encoder, audio encoder, LLM): a balanced plan per phase.
+
+One step, on every rank of ``group``:
+
+1. ``gather_metadata`` -- the only exchange planning needs: per example its LLM length, supervised tokens
+   and the input rows of each media item (image patches, audio frames).
+2. ``plan_step`` -- pure: one :func:`~evenflow.balance.planners.plan_balance` per phase. Images go to
+   balanced *vision* ranks, audio clips to balanced *audio* ranks, examples to balanced *LLM* ranks. It needs
+   metadata only, so the plan for step t+1 can be computed (e.g. in a thread) while step t runs.
+3. ``step`` -- the data moves: text to its LLM rank, each phase's inputs to its encoder rank (one
+   ``all_to_all_single`` each), the encoders run, and their outputs go *directly* to the LLM rank of their
+   example in ONE differentiable all-to-all for all phases (NOTE [ Composed routing ]).
+
+NOTE [ Composed routing ]
+    An image of example e lives on rank s, is encoded on rank v = vision_dest(image) and is consumed on rank
+    l = llm_dest(e). Sending the encoder output back to s and then on to l would be two exchanges; the plan
+    knows l on every rank, so v sends it straight to l: the routing is the composition of the two
+    permutations. Example, 2 ranks: rank 0 holds e0 with a large image, rank 1 holds e1 and e2 with long
+    texts; the image is encoded on rank 1 (vision balance), e0 is trained on rank 0 and e2 moves to rank 0
+    (LLM balance): the image's output goes 1 -> 0 once. The outputs of all phases share one exchange, so the
+    backward pass has exactly one collective, issued in the same place on every rank.
+
+NOTE [ Gradients do not depend on the plan ]
+    Moving an example between data-parallel ranks changes where its loss is computed, not its value, as long
+    as the loss is normalized by the global supervised token count (``plan.total_loss_tokens``) and gradients
+    are summed across ranks (NOTE [ Loss scale ] in :mod:`evenflow.planning.loss`). The encoders have no
+    cross-item interaction (no batch norm), so each item's output is the same wherever it is encoded; the
+    backward of the all-to-all returns each output's gradient to the rank that encoded it.
+
+Every rank runs every encoder every step, with zero rows if it encodes nothing, so DDP/FSDP collectives on
+encoder parameters never diverge (and the all-to-all backward, which every rank must enter, is reached).
+
+Modules: ``meta`` (config, metadata), ``plan`` (``plan_step``), ``routing`` (``rank_routing``), all pure;
+``runtime`` holds the tensors and the only ``torch.distributed`` calls of the orchestrator.
+"""
+
+from .meta import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata
+from .plan import PhasePlan, StepPlan, plan_step
+from .routing import RankRouting, rank_routing
+from .runtime import Encoder, ExampleInputs, GlobalOrchestrator, LLMInputs, local_step
+
+__all__ = ["PhaseSpec", "OrchestratorConfig", "ExampleMeta", "ExampleInputs", "PhasePlan", "StepPlan",
+           "RankRouting", "LLMInputs", "GlobalOrchestrator", "plan_step", "rank_routing", "encode_metadata",
+           "decode_metadata", "local_step", "Encoder"]

@@ -1,0 +1,13 @@
+"""Global planning (``planning="global"``): one round over the pooled buffers of all ranks. Pure.
+
+- plan.py   -- :func:`plan_global_round`, the entry point every rank evaluates on the same gathered metadata
+- groups.py -- step 1: groups over the union under the budgets; the drain's re-plan
+- mix.py    -- step 2: what each optimizer step is made of and which steps a round emits (issue 18)
+- place.py  -- steps 3 and 4: equal-cost steps (``mix="cost_order"``), each group to the rank holding most of
+               its bytes
+"""
+
+from .mix import EpochProgress
+from .plan import GlobalPlanConfig, GlobalRoundPlan, global_groups, plan_global_round, round_target
+
+__all__ = ["EpochProgress", "GlobalPlanConfig", "GlobalRoundPlan", "global_groups", "plan_global_round", "round_target"]
