@@ -22,6 +22,10 @@ Controls, which take one thing away (no LR rule):
                      the same tokens per step in 2W micro-batches (hh-rlhf only: every sample must fit 2,048)
     accum2_shuffled  accum2's step token counts filled at random
     local_shuffled   local's step token counts filled at random
+    packed           the default with padding-free packs (``cost="summed"``, 4,096 tokens a pack) dealt mixed:
+                     an experiment (benchmarks/mixed_packs.py), not the library's packing
+    packed_sorted    the same with the library's packs (best fit decreasing)
+    packed_shuffled  packed's step token counts filled at random
 
 ``X - X_shuffled`` (and ``default_nolr - shuffled``) is what the composition of X's steps costs or gains at the
 same number of steps holding the same tokens each: the paired test of composition alone. (Matching sample
@@ -58,10 +62,12 @@ from pathlib import Path
 import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
-CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "local_shuffled")
+CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "local_shuffled", "packed", "packed_sorted",
+                "packed_shuffled")
 """Run on request (``--arms``); accum2 needs every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "hh_rlhf")
-CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("accum2", "accum2_shuffled"), ("local", "local_shuffled"))
+CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("accum2", "accum2_shuffled"), ("local", "local_shuffled"),
+            ("packed", "packed_shuffled"), ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"))
 """Composition alone: an arm against its own step sizes filled at random (same steps, same sample counts)."""
 HELDOUT = 256
 """Held-out conversations per seed (the issue asks >= 200; the demo uses 48 to stay fast)."""
@@ -117,6 +123,15 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed, mix="cost_order").batches()
         return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + 20_000).permutation(len(steps))],
                                    2, name=arm)
+    if arm in ("packed", "packed_sorted"):  # padding-free packs of 4,096 tokens: dealt mixed, or the library's
+        sys.path.insert(0, str(Path(__file__).parent))
+        from mixed_packs import mixed_packing  # noqa: E402 - benchmarks/ is not a package
+
+        packed = GroupingConfig(token_budget=4096, cost="summed")
+        if arm == "packed_sorted":
+            return global_schedule(lengths, world_size=2, grouping=packed, seed=seed)
+        with mixed_packing():
+            return global_schedule(lengths, world_size=2, grouping=packed, seed=seed)
     if arm == "local":
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed,
@@ -147,7 +162,9 @@ def run(data: str, arm: str, seed: int) -> dict:
             factor *= (tokens[k] / reference) ** 0.5
         for group in opt.param_groups:
             group["lr"] = config.base_lr * factor
-        for g in step:
+        # A padding-free pack is many sequences in one row; one sample at a time is the same loss (no sample
+        # attends to another) without padding a mixed pack to its longest.
+        for g in ([[i] for g in step for i in g] if arm.startswith("packed") else step):
             loss, _ = sum_loss(model, collate([prepared.train[i] for i in g]))
             (loss / tokens[k]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
