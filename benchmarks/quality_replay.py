@@ -66,9 +66,11 @@ CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "local_
                 "packed_shuffled")
 """Run on request (``--arms``); accum2 needs every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "hh_rlhf")
-CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("accum2", "accum2_shuffled"), ("local", "local_shuffled"),
-            ("packed", "packed_shuffled"), ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"))
-"""Composition alone: an arm against its own step sizes filled at random (same steps, same sample counts)."""
+CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
+            ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
+            ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"))
+"""Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
+the default's mix against the old planner's steps in random order (default_nolr - today_random)."""
 HELDOUT = 256
 """Held-out conversations per seed (the issue asks >= 200; the demo uses 48 to stay fast)."""
 BOOTSTRAP = 10_000
