@@ -178,9 +178,10 @@ def real_loader(quick: bool) -> dict:
     for name, ls in sets.items():
         t0 = time.perf_counter()
         today = global_schedule(ls, world_size=REAL_WORLD, grouping=grouping, mix="cost_order")
-        out[name] = {"samples": int(ls.size),
-                     "oracle_steps": bl.oracle(np.minimum(ls, BUDGET), world_size=REAL_WORLD, token_budget=BUDGET).num_steps,
-                     "today_sim": {**batching(today, ls), **{k: float(v) for k, v in step_composition(today, ls).items()}}}
+        oracle = bl.oracle(np.minimum(ls, BUDGET), world_size=REAL_WORLD, token_budget=BUDGET)
+        out[name] = {"samples": int(ls.size), "oracle_steps": oracle.num_steps,
+                     "today_sim": {**batching(today, ls),
+                                   **{k: float(v) for k, v in step_composition(today, ls).items()}}}
         out[name]["over_budget"] = {"1": int((ls > BUDGET).sum()), "2": int((ls > BUDGET // 2).sum())}
         for accum, key in ((1, "real_default"), (2, "real_accum2")):
             per_rank = run_world(_real_rank, REAL_WORLD, ls, accum, timeout=1800)

@@ -133,7 +133,8 @@ def main() -> None:
             plan_global_round(ls, src, world, config=config)
         times[arm].append(time.perf_counter() - t0)
     ratio = float(np.median(times["dealt"]) / np.median(times["best_fit"]))
-    print(f"round plan 64 x 4,096: best fit {np.median(times['best_fit']):.2f} s, dealt {np.median(times['dealt']):.2f} s")
+    best, dealt = (float(np.median(times[k])) for k in ("best_fit", "dealt"))
+    print(f"round plan 64 x 4,096: best fit {best:.2f} s, dealt {dealt:.2f} s")
     print(json.dumps({"benchmark": "mixed_packs", "latency_ratio": round(ratio, 3), "rows": out}))
 
 
