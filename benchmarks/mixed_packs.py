@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import numpy as np
@@ -106,10 +106,7 @@ def main() -> None:
         for world in bc.WORLDS:
             row = out.setdefault(name, {})[str(world)] = {}
             for arm in ("best_fit", "dealt"):
-                if arm == "dealt":
-                    with mixed_packing():
-                        s = global_schedule(ls, world_size=world, grouping=grouping)
-                else:
+                with mixed_packing() if arm == "dealt" else nullcontext():
                     s = global_schedule(ls, world_size=world, grouping=grouping)
                 tokens = np.zeros((s.num_steps, world))
                 np.add.at(tokens, (s.step, s.rank), ls[s.sample])
@@ -126,10 +123,7 @@ def main() -> None:
     times: dict = {"best_fit": [], "dealt": []}
     for arm in ["best_fit", "dealt", "dealt", "best_fit"] * 3:
         t0 = time.perf_counter()
-        if arm == "dealt":
-            with mixed_packing():
-                plan_global_round(ls, src, world, config=config)
-        else:
+        with mixed_packing() if arm == "dealt" else nullcontext():
             plan_global_round(ls, src, world, config=config)
         times[arm].append(time.perf_counter() - t0)
     ratio = float(np.median(times["dealt"]) / np.median(times["best_fit"]))

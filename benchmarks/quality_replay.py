@@ -57,6 +57,8 @@ import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +117,11 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         return Schedule.from_steps([[[int(i)] for i in order[a:b]] for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
                                    int(np.diff(bounds).max()), name=arm)
     if arm == "accum2":  # the default at half the budget, two micro-batches per rank and optimizer step
-        if lengths.max() > 2048:
-            raise ValueError(f"accum2 needs every sample within half the budget (2,048 tokens); the longest has "
-                             f"{lengths.max()}: run it on hh_rlhf, whose dialogues are shorter")
-        half = global_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=2048), seed=seed).batches()
+        half_budget = replace(grouping, token_budget=grouping.token_budget // 2)
+        if lengths.max() > half_budget.token_budget:
+            raise ValueError(f"accum2 needs every sample within half the budget ({half_budget.token_budget} tokens); "
+                             f"the longest has {lengths.max()}: run it on hh_rlhf, whose dialogues are shorter")
+        half = global_schedule(lengths, world_size=2, grouping=half_budget, seed=seed).batches()
         return Schedule.from_steps([half[j] + half[j + 1] if j + 1 < len(half) else half[j]
                                     for j in range(0, len(half), 2)], 4, name=arm)
     if arm == "today_random":  # the pre-issue-18 steps in a random order: homogeneous steps, no curriculum
@@ -129,11 +132,8 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         sys.path.insert(0, str(Path(__file__).parent))
         from mixed_packs import mixed_packing  # noqa: E402 - benchmarks/ is not a package
 
-        packed = GroupingConfig(token_budget=4096, cost="summed")
-        if arm == "packed_sorted":
-            return global_schedule(lengths, world_size=2, grouping=packed, seed=seed)
-        with mixed_packing():
-            return global_schedule(lengths, world_size=2, grouping=packed, seed=seed)
+        with mixed_packing() if arm == "packed" else nullcontext():
+            return global_schedule(lengths, world_size=2, grouping=replace(grouping, cost="summed"), seed=seed)
     if arm == "local":
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed,

@@ -12,7 +12,7 @@
 
 from .alignment import (AlignmentConfig, Item, RankPlanner, RankReport, RoundDecision, config_fingerprint,
                         decide_round, wait_bound)
-from .pooled.plan import EpochProgress, GlobalPlanConfig, GlobalRoundPlan, plan_global_round
+from .pooled import EpochProgress, GlobalPlanConfig, GlobalRoundPlan, plan_global_round
 from .grouping import GroupingConfig, GroupingResult, group_costs, plan, plan_groups
 from .loss import LossTokenRule, count_loss_tokens, loss_scale, step_loss_scales, window_totals
 from .simulate import EpochTrace, SampleMeta, make_planners, run_epoch

@@ -10,4 +10,5 @@
 from .mix import EpochProgress
 from .plan import GlobalPlanConfig, GlobalRoundPlan, global_groups, plan_global_round, round_target
 
-__all__ = ["EpochProgress", "GlobalPlanConfig", "GlobalRoundPlan", "global_groups", "plan_global_round", "round_target"]
+__all__ = ["EpochProgress", "GlobalPlanConfig", "GlobalRoundPlan", "global_groups", "plan_global_round",
+           "round_target"]

@@ -78,8 +78,7 @@ from typing import Literal
 import numpy as np
 
 # Step 1 and the drain live in groups.py, steps 3 and 4 in place.py, step 2 in mix.py; the entry point here.
-from .groups import _drain_groups, _group_table, _split_to, _Table
-from .groups import global_groups
+from .groups import _drain_groups, _group_table, _split_to, _Table, global_groups
 from .mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
 from .place import _deal, _place
 from ..grouping import GroupingConfig, padded_length
