@@ -67,7 +67,7 @@ def test_matching_sizes_accumulation_from_the_dry_run():
     steps = global_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=1024)).num_steps
     assert m.planning == "global" and m.evenflow_steps == steps and m.fixed_batch_size == 1
     # every arm's planned composition is reported; random fixed batches are as mixed as random (H_g ~ 1)
-    assert set(m.composition) == {"evenflow", "evenflow_no_lr_rule", "evenflow_summed", "fixed", "group_by_length"}
+    assert set(m.composition) == {"evenflow", "evenflow_sqrt_lr", "evenflow_summed", "fixed", "group_by_length"}
     assert 0.6 < m.composition["fixed"]["H_g"] < 1.5 and m.composition["group_by_length"]["H_g"] > 2
     assert m.accumulation == max(1, round(400 / steps / 2))
     assert m.fixed_steps == -(-200 // m.accumulation)

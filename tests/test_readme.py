@@ -61,8 +61,8 @@ needs_demo_extra = pytest.mark.skipif(any(importlib.util.find_spec(m) is None fo
 DEMO_PHRASES = ("samples/s (median)", "range over rounds", "real tokens/s", "padded efficiency", "optimizer steps",
                 "rank imbalance (max/mean)", "critical-path CPU time (s)", "held-out loss / token",
                 "time to target (s)", "than fixed batching (median of", "ABBA-interleaved rounds",
-                "time to quality:", "held-out loss per token: evenflow", "goal within 0.03", "square-root scaling",
-                "without the rule evenflow ends at", "time model:", "planner-only dry run")
+                "time to quality:", "held-out loss per token: evenflow", "goal within 0.03", "sqrt token LR rule",
+                "with the sqrt rule evenflow ends at", "time model:", "planner-only dry run")
 ARM_KEYS = ("heldout_loss", "samples_per_s", "tokens_per_s", "optimizer_steps", "time_to_target_s")
 
 

@@ -28,11 +28,17 @@ __all__ = ["ARMS", "DemoConfig", "quick_config", "schedule_factor", "run_demo", 
 
 
 def lr_text(config: DemoConfig, reference_tokens: int) -> str:
-    rule = {"sqrt": "square-root scaling", "linear": "linear scaling", "none": "no scaling"}[config.lr_scaling]
-    return (f"{rule} by tokens per step (evenflow.TokenLRScaler): lr = schedule(step) x "
-            f"{'sqrt(' if config.lr_scaling == 'sqrt' else '('}supervised tokens in the step / {reference_tokens})"
-            f", for the variable-batch evenflow arms (the fixed arms and evenflow_no_lr_rule: no rule); peak {config.base_lr:g}, warm-up "
-            f"{config.warmup_fraction:.0%} then cosine to {config.final_lr_fraction:g}x, in each arm's optimizer steps")
+    """The LR line of the report: the schedule, and which arm trains under which token LR rule."""
+    def rule(scaling: str) -> str:
+        if scaling == "none":
+            return "no token LR rule"
+        return (f"{scaling} token LR rule (evenflow.TokenLRScaler): lr = schedule(step) x "
+                f"{'sqrt(' if scaling == 'sqrt' else '('}supervised tokens in the step / {reference_tokens})")
+    rules = f"evenflow: {rule(config.lr_scaling)}"
+    if "evenflow_sqrt_lr" in config.arms and config.lr_scaling != "sqrt":
+        rules += f"; evenflow_sqrt_lr: {rule('sqrt')}"
+    return (f"{rules}; the fixed arms: none; peak {config.base_lr:g}, warm-up {config.warmup_fraction:.0%} then "
+            f"cosine to {config.final_lr_fraction:g}x, in each arm's optimizer steps")
 
 
 def environment(world_size: int) -> dict[str, Any]:

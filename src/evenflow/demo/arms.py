@@ -9,7 +9,7 @@ A window is the list of micro-batches of one optimizer step plus the step's glob
 - ``group_by_length``: the same, with HF's own ``get_length_grouped_indices`` (megabatches of 50 windows sorted
   by length, the longest first, as ``TrainingArguments(group_by_length=True)`` does with batch size x
   accumulation) and batches dealt round-robin to ranks as accelerate's ``BatchSamplerShard`` does.
-- ``evenflow`` / ``evenflow_no_lr_rule``: :class:`evenflow.DynamicBatchLoader`, padded cost, one batch per step.
+- ``evenflow`` / ``evenflow_sqrt_lr``: :class:`evenflow.DynamicBatchLoader`, padded cost, one batch per step.
 - ``evenflow_summed``: the same with ``cost="summed"``: one packed row per batch (``FlatCollate``:
   ``position_ids`` restart per sequence, ``use_cache=False``), exact with stock HF sdpa attention, which builds
   a block-diagonal mask from the restarting positions.

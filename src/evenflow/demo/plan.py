@@ -78,7 +78,7 @@ def match_arms(config: DemoConfig, lengths: np.ndarray, loss_tokens: np.ndarray)
         return {k: round(float(v), 3) for k, v in step_composition(s, lengths, grad_accum_steps=accumulate).items()
                 if k != "S"}
 
-    composition = {"evenflow": mix(padded), "evenflow_no_lr_rule": mix(padded), "evenflow_summed": mix(summed),
+    composition = {"evenflow": mix(padded), "evenflow_sqrt_lr": mix(padded), "evenflow_summed": mix(summed),
                    "fixed": mix(fixed_schedule(len(lengths), config, batch), accumulation),
                    "group_by_length": mix(grouped_schedule(lengths, config, batch, accumulation), accumulation)}
     return Matching(fixed_batch_size=batch, accumulation=accumulation, evenflow_steps=evenflow_steps,

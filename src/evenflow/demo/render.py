@@ -13,9 +13,9 @@ from .report import LOSS_GOAL, TIME_GOAL
 __all__ = ["format_table", "verdict_lines", "plot_report", "write_json", "HEADERS"]
 
 HEADERS = {"fixed": "fixed", "group_by_length": "by length", "evenflow": "evenflow",
-           "evenflow_no_lr_rule": "no LR rule", "evenflow_summed": "summed"}
+           "evenflow_sqrt_lr": "sqrt LR", "evenflow_summed": "summed"}
 COLORS = {"fixed": "#999999", "group_by_length": "#ccbb44", "evenflow": "#4477aa",
-          "evenflow_no_lr_rule": "#66ccee", "evenflow_summed": "#228833"}
+          "evenflow_sqrt_lr": "#66ccee", "evenflow_summed": "#228833"}
 
 
 def _row(label: str, arms: Mapping[str, Mapping], fmt) -> tuple[str, ...]:
@@ -86,11 +86,11 @@ def verdict_lines(arms: Mapping[str, Mapping[str, Any]], v: Mapping[str, Any], *
                  f"{arms[best]['heldout_loss']:.3f} ({v['heldout_gap_vs_best_fixed']:+.3f}; goal within {LOSS_GOAL}: "
                  f"{_met(v['heldout_gap_vs_best_fixed'] <= LOSS_GOAL)}) after {e['optimizer_steps']} vs "
                  f"{arms[best]['optimizer_steps']} optimizer steps")
-    if "lr_rule_gain" in v:
-        gain = v["lr_rule_gain"]
+    if "sqrt_lr_gain" in v:
+        gain = v["sqrt_lr_gain"]
         helps = "helps" if gain > 0 else "does not help"
-        lines.append(f"learning rate: {lr_text}; without the rule evenflow ends at "
-                     f"{arms['evenflow_no_lr_rule']['heldout_loss']:.3f} (the rule {helps} by {gain:+.3f})")
+        lines.append(f"learning rate: {lr_text}; with the sqrt rule evenflow ends at "
+                     f"{arms['evenflow_sqrt_lr']['heldout_loss']:.3f} (the rule {helps}: {gain:+.3f})")
     else:
         lines.append(f"learning rate: {lr_text}")
     lines.append("step composition (planned by the same planners, evenflow.sim.step_composition): H_g = variance of "

@@ -141,8 +141,8 @@ def verdict(arms: Mapping[str, Mapping[str, Any]], *, load: Mapping[str, Any], w
     out.update(best_fixed_arm=best, heldout_gap_vs_best_fixed=gap, goals={
         "heldout_within_0.03_of_best_fixed": bool(gap <= LOSS_GOAL),
         "time_to_target_at_most_0.7x_fixed": bool(ttt is not None and ttt["median"] <= TIME_GOAL)})
-    if "evenflow_no_lr_rule" in arms:
-        out["lr_rule_gain"] = arms["evenflow_no_lr_rule"]["heldout_loss"] - e["heldout_loss"]
+    if "evenflow_sqrt_lr" in arms:  # > 0: the opt-in sqrt token LR rule trained better than evenflow's own
+        out["sqrt_lr_gain"] = e["heldout_loss"] - arms["evenflow_sqrt_lr"]["heldout_loss"]
     out["warnings"] = load_warnings(load, ratios, world_size=world_size)
     out["reliable"] = not out["warnings"]
     return out

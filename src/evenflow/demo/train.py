@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..lr import TokenLRScaler
 from ..planning.loss import IGNORE_INDEX
 from .arms import PAD_ID, Window, arm_windows, batch_cost, planned_steps
-from .config import LR_RULE_ARMS, DemoConfig, schedule_factor
+from .config import DemoConfig, arm_lr_scaling, schedule_factor
 from .plan import Matching
 from .prepare import DemoData
 
@@ -103,8 +103,8 @@ class ArmRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda step: schedule_factor(step, self.total_steps, config))
-        scaling = config.lr_scaling if arm in LR_RULE_ARMS else "none"
-        self.scaler = TokenLRScaler(self.opt, scaling=scaling, reference_tokens=matching.reference_tokens)
+        self.scaler = TokenLRScaler(self.opt, scaling=arm_lr_scaling(arm, config),
+                                    reference_tokens=matching.reference_tokens)
         self.windows: Iterator[Window] = arm_windows(arm, data, config, matching, rank)
         self.steps = 0
         self.records: list[dict] = []

@@ -129,8 +129,9 @@ class DynamicBatchLoader:
       :attr:`planning` is the resolved one. ``balance=True`` with ``"auto"`` runs the local policy with its
       rebalancer; ``planning="global", balance=True`` is refused. ``planning_group``: ranks per planning
       group (``None``: all ranks up to 64, else blocks of 8). See :class:`LoaderConfig`. Global steps pack
-      tightest but are the most length-homogeneous, which trained a tiny model worse at matched steps (worse
-      than local on 6 of 8 seeds in the demo replay; NOTE [ The default planning policy ]).
+      tightest, each mixing length strata, in no length curriculum; what they trained in the demo's replay
+      (not yet as well as random batches everywhere) is in NOTE [ The default planning policy ] and the
+      README, "What the default trains".
     - ``lengths``: every sample's length as the loader measures it (``length_fn``, default ``len(input_ids)``),
       known before the epoch -- a dataset column, or :func:`evenflow.runtime.epoch_plan.dataset_lengths` (an HF
       dataset's Arrow offsets, or one pass); a mapping ``{"tokens": ..., name: ...}`` adds ``extra_budgets``

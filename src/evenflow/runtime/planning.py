@@ -70,9 +70,13 @@ def resolve_planning(requested: str, world_size: int, *, balance: bool, planning
         of its groups in random order: the epoch runs in no length curriculum, and steps are more mixed than
         before on every measured row (H_g <= 1 against a random deal of the same micro-batches at W = 2;
         above 1 on most data sets at W = 4 and 8, README "What the default trains"). Measured in the demo's single-process
-        replay (``benchmarks/quality_replay.py``, 16 seeds, paired with random fixed batches at matched
-        steps, held-out nats/token): the library default -0.003 [95 % CI -0.041, +0.034], the pre-issue-18
-        cost-ordered steps +0.104, local +0.082. Check held-out quality, not only throughput, when you switch.
+        replay (``benchmarks/quality_replay.py``, paired with random fixed batches of the same samples per
+        step, held-out nats/token, 95 % CI): on chitchat the library default +0.036 [-0.005, +0.082] (32
+        seeds), the pre-issue-18 cost-ordered steps +0.104 and local +0.082 (16 seeds, sqrt LR rule); on
+        hh-rlhf's short dialogues the default +0.018 [+0.009, +0.026] (8 seeds) -- what its two
+        length-homogeneous micro-batches per step cost under AdamW, which two micro-batches per rank and step
+        (``grad_accum_steps=2``, half the budget) take away. Check held-out quality, not only throughput, when
+        you switch.
 
     >>> [resolve_planning("auto", w, balance=False, planning_group=None) for w in (1, 2, 64, 65)]
     ['local', 'global', 'global', 'local']

@@ -1,0 +1,78 @@
+"""benchmarks/quality_replay.py's arms are what its docstring says they are (no training: the schedules only).
+
+The replay's figures are paired differences between arms, so each arm must train every sample of the epoch
+exactly once, and a control must keep what it claims to keep: ``X_shuffled`` X's step token counts (to the
+nearest sample), ``counts`` the default's samples per step, ``w4`` / ``accum2`` four micro-batches per step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def replay():
+    sys.path.insert(0, str(BENCHMARKS))  # quality_replay imports its neighbour mixed_packs for the packed arms
+    spec = importlib.util.spec_from_file_location("quality_replay", BENCHMARKS / "quality_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    # hh-rlhf-like: short dialogues with a tail, all within half the replay's budget (accum2 and w4 need it)
+    rng = np.random.default_rng(3)
+    return np.minimum(rng.lognormal(5.0, 0.8, 600).astype(int) + 8, 2048)
+
+
+def _steps(schedule) -> list[list[int]]:
+    return [s for s in ([i for g in step for i in g] for step in schedule.batches()) if s]
+
+
+def test_every_arm_trains_every_sample_once(replay, lengths):
+    for arm in replay.ARMS + replay.CONTROL_ARMS:
+        trained = sorted(i for s in _steps(replay._schedule(arm, lengths, seed=1)) for i in s)
+        assert trained == list(range(len(lengths))), arm
+
+
+def test_controls_keep_what_they_claim(replay, lengths):
+    default = _steps(replay._schedule("default", lengths, seed=1))
+    for arm in ("shuffled", "local_shuffled", "accum2_shuffled", "w4_shuffled"):
+        base = _steps(replay._schedule("default" if arm == "shuffled" else arm[:-len("_shuffled")], lengths, seed=1))
+        control = _steps(replay._schedule(arm, lengths, seed=1))
+        assert len(control) == len(base), arm
+        gap = np.abs([lengths[c].sum() - lengths[b].sum() for c, b in zip(control, base)])
+        assert gap[:-1].max() <= lengths.max(), arm  # to the nearest sample (the last step takes the rest)
+    counts = _steps(replay._schedule("counts", lengths, seed=1))
+    assert [len(s) for s in counts] == [len(s) for s in default]
+    for arm in ("accum2", "w4"):
+        groups = [[g for g in step if g] for step in replay._schedule(arm, lengths, seed=1).batches()]
+        assert max(len(g) for g in groups) == 4, arm
+        assert all(lengths[g].max() * len(g) <= 2048 for step in groups for g in step), arm
+
+
+def test_half_budget_arms_refuse_long_samples(replay, lengths):
+    with pytest.raises(ValueError, match="w4 needs every sample within half the budget"):
+        replay._schedule("w4", np.append(lengths, 3000), seed=1)
+
+
+def test_summary_pairs_by_seed_and_keeps_optimizers_apart(replay):
+    rows = [{"data": "hh_rlhf", "arm": arm, "seed": seed, "heldout_loss": loss, "optimizer_steps": 20,
+             "padded_efficiency": 1.0, "H": 1.0, "H_g": 1.0, "late": 0.25, "q_cv": 0.02}
+            for seed in range(3) for arm, loss in (("default_nolr", 6.0 + seed), ("shuffled", 5.9 + seed))]
+    rows += [{**r, "optimizer": "sgd", "heldout_loss": r["heldout_loss"] + (0.5 if r["arm"] == "shuffled" else 0)}
+             for r in rows]
+    summary = replay.summarize(rows)
+    assert set(summary) == {"hh_rlhf", "hh_rlhf@sgd"}
+    assert summary["hh_rlhf"]["paired"]["default_nolr-shuffled"]["mean"] == pytest.approx(0.1)
+    assert summary["hh_rlhf@sgd"]["paired"]["default_nolr-shuffled"]["mean"] == pytest.approx(-0.4)
+    assert summary["hh_rlhf"]["paired"]["default_nolr-shuffled"]["better_on"] == 0
