@@ -122,7 +122,26 @@ def _keep_ids(samples: list) -> dict:
 
 
 def _rss_mb() -> float:
+    """Peak RSS since :func:`_reset_peak` (``VmHWM``); ``ru_maxrss`` where /proc has no VmHWM."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _reset_peak() -> None:
+    """Start the peak at the current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0). A spawned rank
+    re-imports its parent's main module: under ``make bench`` that is run_all.py with every benchmark, whose
+    import peak would otherwise hide the epoch's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _current_rss_mb() -> float:
@@ -138,6 +157,7 @@ def _arm(rank: int, world: int, kind: str, policy: str, n: int, src: str | None)
 
     ds = {"tokens": Tokens, "media": Media, "views": Views, "payload": Payload}[kind](n)
     base = _current_rss_mb()
+    _reset_peak()
     loader = evenflow.DynamicBatchLoader(ds, token_budget=BUDGET, planning=policy, collate_fn=_keep_ids,
                                          timeout=timedelta(seconds=300), worker_timeout=timedelta(seconds=240))
     started = time.perf_counter()
@@ -212,6 +232,29 @@ def run(quick: bool, world: int, repeats: int, compare_src: str | None, kinds: l
                   f"{other['median_s']:.3f} s (ratio {this['median_s'] / other['median_s']:.3f})", flush=True)
     result["load_after"] = os.getloadavg()[0]
     return result
+
+
+def markdown(result: dict) -> str:
+    """The report section of ``make bench`` (benchmarks/run_all.py): one row per sample kind and policy."""
+    rows = ["| samples | policy | steps | moved samples | moved KiB / step | bytes over the tensors per moved sample "
+            "| longest round move (s) | epoch wall (s, range) | peak RSS over the dataset (MB) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for kind, policies in result["kinds"].items():
+        for policy, s in policies.items():
+            lo, hi = s["wall_s_range"]
+            rows.append(f"| {kind} | {policy} | {s['steps']:g} | {s['moved_samples']:g} | "
+                        f"{s['moved_bytes_per_step'] / 1024:.1f} | {s['overhead_bytes_per_moved_sample']:.0f} | "
+                        f"{s['max_round_move_s']:.3f} | {s['wall_s']:.2f} ({lo:.2f}-{hi:.2f}) | "
+                        f"{s['rss_over_base_mb']:.0f} |")
+    return (f"One real epoch of `DynamicBatchLoader` per run on {result['world']} spawned gloo ranks "
+            f"(budget {result['budget']:,}, num_workers=0, no training step), local against global planning, "
+            f"ABBA-interleaved, median of {result['repeats']} repeat(s) per arm; bytes are every byte of the sample "
+            f"all-to-alls the ranks sent (`loader.moves`); peak RSS is the epoch's high-water mark over the RSS "
+            f"after the dataset is built (the loader's own first imports count when the script runs alone, ~40 MB, "
+            f"not here, where each spawned rank has imported the whole suite first). Load average "
+            f"{result['load_before']:.1f} before, "
+            f"{result['load_after']:.1f} after. `python benchmarks/bench_moves.py` runs it alone (and "
+            f"`--compare-src` against another source tree).\n\n" + "\n".join(rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -74,13 +74,14 @@ from pathlib import Path
 import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
-CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled", "packed", "packed_sorted",
-                "packed_shuffled", "counts")
+CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
+                "packed", "packed_sorted", "packed_shuffled", "counts")
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "hh_rlhf")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
-            ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"), ("w4", "w4_shuffled"))
+            ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"),
+            ("w4", "w4_shuffled"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random)."""
 OPTIMIZERS = {
