@@ -65,14 +65,28 @@ def test_half_budget_arms_refuse_long_samples(replay, lengths):
         replay._schedule("w4", np.append(lengths, 3000), seed=1)
 
 
-def test_summary_pairs_by_seed_and_keeps_optimizers_apart(replay):
+def test_summary_pairs_by_seed_and_keeps_settings_apart(replay):
     rows = [{"data": "hh_rlhf", "arm": arm, "seed": seed, "heldout_loss": loss, "optimizer_steps": 20,
              "padded_efficiency": 1.0, "H": 1.0, "H_g": 1.0, "late": 0.25, "q_cv": 0.02}
             for seed in range(3) for arm, loss in (("default_nolr", 6.0 + seed), ("shuffled", 5.9 + seed))]
     rows += [{**r, "optimizer": "sgd", "heldout_loss": r["heldout_loss"] + (0.5 if r["arm"] == "shuffled" else 0)}
-             for r in rows]
+             for r in rows[:6]]
+    rows += [{**r, "warmup": 0.2, "heldout_loss": r["heldout_loss"] - (0.3 if r["arm"] == "default_nolr" else 0)}
+             for r in rows[:6]]
     summary = replay.summarize(rows)
-    assert set(summary) == {"hh_rlhf", "hh_rlhf@sgd"}
+    assert list(summary) == ["hh_rlhf", "hh_rlhf warmup=0.2", "hh_rlhf@sgd"]
     assert summary["hh_rlhf"]["paired"]["default_nolr-shuffled"]["mean"] == pytest.approx(0.1)
     assert summary["hh_rlhf@sgd"]["paired"]["default_nolr-shuffled"]["mean"] == pytest.approx(-0.4)
+    assert summary["hh_rlhf warmup=0.2"]["paired"]["default_nolr-shuffled"]["mean"] == pytest.approx(-0.2)
     assert summary["hh_rlhf"]["paired"]["default_nolr-shuffled"]["better_on"] == 0
+
+
+def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
+    from evenflow.planning.pooled import mix, plan
+
+    default = _steps(replay._schedule("default", lengths, seed=1))
+    for arm in ("default_asc", "default_smooth"):
+        steps = _steps(replay._schedule(arm, lengths, seed=1))
+        assert sorted(map(sorted, steps)) == sorted(map(sorted, default)), arm
+        assert steps != default, arm
+    assert plan.round_order is mix.round_order  # the planner's own order is back
