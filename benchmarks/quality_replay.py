@@ -35,6 +35,8 @@ Controls, which take one thing away (no LR rule):
     default_asc      the default's steps, each round's in ascending length order instead of NOTE [ Round order ]'s
                      shortest-longest alternation (each round is still a sample of the buffer)
     default_smooth   the same, ascending and descending in turn (a zigzag: consecutive steps alike across rounds)
+    default_tent     the same, up over each round's first half and down over its second (each half spans the
+                     round's lengths, so a quarter of the epoch that cuts a round in two stays alike)
 
 ``--optimizer`` trains every arm with another optimizer than the demo's AdamW (``OPTIMIZERS``); its rows are
 summarized apart (``hh_rlhf@sgd``), to ask whether a composition cost belongs to the data or to the optimizer.
@@ -81,14 +83,17 @@ import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
-                "packed", "packed_sorted", "packed_shuffled", "counts", "default_smooth", "default_asc")
+                "packed", "packed_sorted", "packed_shuffled", "counts", "default_smooth", "default_asc",
+                "default_tent")
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
+ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent"}
+"""The default's own steps in another order within each round (``_round_order``)."""
 DATA = ("chitchat", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
             ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"),
             ("w4", "w4_shuffled"), ("default_smooth", "default_nolr"), ("default_asc", "default_nolr"),
-            ("default_smooth", "shuffled"))
+            ("default_smooth", "shuffled"), ("default_tent", "default_nolr"), ("default_tent", "shuffled"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr)."""
@@ -173,8 +178,8 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
 
         with mixed_packing() if arm == "packed" else nullcontext():
             return global_schedule(lengths, world_size=2, grouping=replace(grouping, cost="summed"), seed=seed)
-    if arm in ("default_smooth", "default_asc"):  # the default's rounds, each round's steps in length order
-        with _round_order(zigzag=arm == "default_smooth"):
+    if arm in ORDER_ARMS:  # the default's rounds, each round's steps in length order
+        with _round_order(ORDER_ARMS[arm]):
             return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     if arm == "local":
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
@@ -183,10 +188,11 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
 
 
 @contextmanager
-def _round_order(*, zigzag: bool):
-    """The stratified planner with each round's steps in ascending length order (``zigzag``: ascending, then
-    descending the next round, so that consecutive steps stay alike across round borders too) instead of
-    NOTE [ Round order ]'s shortest-longest alternation. Each round is still a sample of the buffer: no
+def _round_order(kind: str):
+    """The stratified planner with each round's steps in length order instead of NOTE [ Round order ]'s
+    shortest-longest alternation: ``"asc"`` ascending every round, ``"zigzag"`` ascending then descending the next
+    round (consecutive steps alike across round borders too), ``"tent"`` up over the round's first half and down
+    over its second (each half spans the round's lengths). Each round is still a sample of the buffer: no
     epoch-long curriculum."""
     from evenflow.planning.pooled import plan
 
@@ -194,7 +200,9 @@ def _round_order(*, zigzag: bool):
 
     def ordered(keys: np.ndarray) -> np.ndarray:
         asc = np.lexsort((np.arange(len(keys)), keys))
-        return asc[::-1] if zigzag and next(rounds) % 2 else asc
+        if kind == "tent":  # ranks 0, 2, 4, ... up, then ..., 5, 3, 1 down
+            return np.concatenate((asc[0::2], asc[1::2][::-1]))
+        return asc[::-1] if kind == "zigzag" and next(rounds) % 2 else asc
 
     saved, plan.round_order = plan.round_order, ordered
     try:

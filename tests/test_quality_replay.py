@@ -85,7 +85,7 @@ def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
     from evenflow.planning.pooled import mix, plan
 
     default = _steps(replay._schedule("default", lengths, seed=1))
-    for arm in ("default_asc", "default_smooth"):
+    for arm in replay.ORDER_ARMS:
         steps = _steps(replay._schedule(arm, lengths, seed=1))
         assert sorted(map(sorted, steps)) == sorted(map(sorted, default)), arm
         assert steps != default, arm
