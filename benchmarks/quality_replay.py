@@ -82,12 +82,11 @@ from pathlib import Path
 import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
-CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
-                "packed", "packed_sorted", "packed_shuffled", "counts", "default_smooth", "default_asc",
-                "default_tent")
-"""Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent"}
 """The default's own steps in another order within each round (``_round_order``)."""
+CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
+                "packed", "packed_sorted", "packed_shuffled", "counts", *ORDER_ARMS)
+"""Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
@@ -282,13 +281,14 @@ def summarize(rows: list[dict]) -> dict:
     """Per data set and setting: each arm's means, and the paired per-seed differences with their bootstrap
     intervals. A setting other than the demo's is part of the key: ``"hh_rlhf@sgd"`` (``--optimizer``),
     ``"hh_rlhf warmup=0.2"`` (``--warmup``)."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        groups.setdefault(_setting(r), {})[(r["arm"], r["seed"])] = r
     out: dict = {}
-    settings = sorted({_setting(r) for r in rows}, key=lambda k: (DATA.index(k[0]), tuple(OPTIMIZERS).index(k[1]),
-                                                                  -1.0 if k[2] is None else k[2]))
-    for data, optimizer, warmup in settings:
-        by = {(r["arm"], r["seed"]): r for r in rows if _setting(r) == (data, optimizer, warmup)}
+    for data, optimizer, warmup in sorted(groups, key=lambda k: (DATA.index(k[0]), tuple(OPTIMIZERS).index(k[1]),
+                                                                 -1.0 if k[2] is None else k[2])):
         name = data + ("" if optimizer == "adamw" else f"@{optimizer}") + ("" if warmup is None else f" warmup={warmup}")
-        out[name] = _summarize_runs(by)
+        out[name] = _summarize_runs(groups[(data, optimizer, warmup)])
     return out
 
 
