@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -149,6 +149,12 @@ class Handoff:
     def _ready(self) -> int:
         return sum(1 for item in self._items if item[0] == "batch")
 
+    def stop_state(self) -> StopState:
+        """The stop flag, its step and the trainer's error, read together. Read apart, a ``close(exc)`` landing
+        between the reads is published as a bare STOP and peers raise PeerStopped, not PeerError."""
+        with self._cond:
+            return StopState(self.stop_requested, self.stop_step, self.trainer_error)
+
     def request_stop(self, step: int = NO_VALUE, error: BaseException | None = None) -> None:
         with self._cond:
             if not self.stop_requested and self._defer_until is None:
@@ -157,6 +163,14 @@ class Handoff:
                 self.trainer_error = error
             self.stop_requested = True
             self._cond.notify_all()
+
+
+class StopState(NamedTuple):
+    """What :meth:`Handoff.stop_state` read at once."""
+
+    requested: bool
+    step: int
+    trainer_error: BaseException | None
 
 
 @dataclass(frozen=True)
@@ -377,9 +391,10 @@ class EpochPipeline(threading.Thread):
             self._fill()
         self.handoff.wait_for_room(1 if confirming else self.depth)  # confirming: the trainer took every batch
         started = time.perf_counter()
-        failure = self._local_failure()
+        stop = self.handoff.stop_state()  # one read: see close(exc)'s stop and error both, or neither
+        failure = self.error if self.error is not None else stop.trainer_error
         groups = self.planner.plan_local() if failure is None else []
-        table = self.exchange.all_gather(self._report(groups, failure).to_array())
+        table = self.exchange.all_gather(self._report(groups, failure, stop).to_array())
         decision = decide_round(table, self.planner.alignment)
         if not self.exchange.peers.known:
             self.exchange.peers.note(table[:, 11], table[:, 12])  # names dead ranks if a later exchange fails
@@ -421,11 +436,10 @@ class EpochPipeline(threading.Thread):
     def _local_failure(self) -> BaseException | None:
         return self.error if self.error is not None else self.handoff.trainer_error
 
-    def _report(self, groups: list, failure: BaseException | None) -> RankReport:
+    def _report(self, groups: list, failure: BaseException | None, stop: StopState) -> RankReport:
         ok = failure is None
-        stop = self.handoff.stop_requested
         return RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0, self.exhausted,
-                          self._unread(), stop, not ok, self.handoff.stop_step if stop else NO_VALUE,
+                          self._unread(), stop.requested, not ok, stop.step if stop.requested else NO_VALUE,
                           **self.report_fields, stream=self._stream_print())
 
     def _stream_print(self) -> int:
