@@ -30,6 +30,10 @@ Controls, which take one thing away (no LR rule):
                      an experiment (benchmarks/mixed_packs.py), not the library's packing
     packed_sorted    the same with the library's packs (best fit decreasing)
     packed_shuffled  packed's step token counts filled at random
+    fixed_matched    random batches in exactly the default's number of optimizer steps (sizes differ by one sample
+                     at most): ``fixed`` rounds its batch to an even size, which gives it 4 % more steps than the
+                     default on chitchat (124 against 120) and 8 % on chitchat_full -- more training, not better
+                     batches (on hh-rlhf the two step counts are equal)
     counts           random samples in the default's per-step sample counts (its steps' token counts not kept):
                      what the default's uneven samples per step cost on their own
     default_asc      the default's steps, each round's in ascending length order instead of NOTE [ Round order ]'s
@@ -37,6 +41,8 @@ Controls, which take one thing away (no LR rule):
     default_smooth   the same, ascending and descending in turn (a zigzag: consecutive steps alike across rounds)
     default_tent     the same, up over each round's first half and down over its second (each half spans the
                      round's lengths, so a quarter of the epoch that cuts a round in two stays alike)
+    default_random   the same, each round's steps in a random order (seeded by the seed and the round): no
+                     designed order at all, consecutive steps as alike as two random steps of a round
 
 ``--optimizer`` trains every arm with another optimizer than the demo's AdamW (``OPTIMIZERS``); its rows are
 summarized apart (``hh_rlhf@sgd``), to ask whether a composition cost belongs to the data or to the optimizer.
@@ -53,7 +59,8 @@ Every arm of a seed trains the same samples from the same init, so differences a
 demo's: a tiny Qwen3 (0.39M parameters), budget 4,096, W = 2, 1,000 training conversations, 256 held-out ones.
 Data sets: ``chitchat`` (the demo's), ``hh_rlhf`` (../shared/data, Anthropic hh-rlhf harmless-base test
 dialogues through the same Qwen3 template) and ``hh_rlhf_full`` (the same file, all 2,056 dialogues that are not
-held out: 45 optimizer steps instead of 22).
+held out: 45 optimizer steps instead of 22); ``chitchat_full`` trains on every answered chat that is not held
+out (3,762: ~450 optimizer steps, an epoch long enough for a 16-step length ramp to be short beside a quarter).
 
     .venv/bin/python benchmarks/quality_replay.py --data chitchat --seeds 16      # ~2 h on 2 idle cores
     .venv/bin/python benchmarks/quality_replay.py --data hh_rlhf --seeds 8
@@ -82,17 +89,21 @@ from pathlib import Path
 import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
-ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent"}
+ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent", "default_random": "random"}
 """The default's own steps in another order within each round (``_round_order``)."""
+COMPOSITION = ("H", "H_g", "late", "q_cv", "rough")
+"""A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
-                "packed", "packed_sorted", "packed_shuffled", "counts", *ORDER_ARMS)
+                "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", *ORDER_ARMS)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
-DATA = ("chitchat", "hh_rlhf", "hh_rlhf_full")
+DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
             ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"),
             ("w4", "w4_shuffled"), ("default_smooth", "default_nolr"), ("default_asc", "default_nolr"),
-            ("default_smooth", "shuffled"), ("default_tent", "default_nolr"), ("default_tent", "shuffled"))
+            ("default_smooth", "shuffled"), ("default_tent", "default_nolr"), ("default_tent", "shuffled"),
+            ("default_random", "default_nolr"), ("default_random", "shuffled"), ("default_smooth", "default_random"),
+            ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr)."""
@@ -121,6 +132,12 @@ def _prepare(data: str, seed: int):
         config = replace(config, train_samples=HH_RLHF_RECORDS - HELDOUT)
     if data == "chitchat":
         return config, prepare_data(config)
+    if data == "chitchat_full":  # every answered chat: 3,762 train (~450 optimizer steps), 256 held out
+        from evenflow.data.sources import chitchat_conversations
+
+        chats = chitchat_conversations()
+        config = replace(config, train_samples=len(chats) - HELDOUT)
+        return config, prepare_data(config, chats)
     sys.path.insert(0, str(Path(__file__).parent))
     import real_data  # noqa: E402 - benchmarks/ is not a package
     from evenflow.data.sources import read_hh_rlhf
@@ -143,6 +160,11 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         bounds = np.concatenate([[0], np.cumsum(counts[counts > 0])])
         return Schedule.from_steps([[[int(i)] for i in order[a:b]] for a, b in zip(bounds[:-1], bounds[1:])],
                                    int(counts.max()), name=arm)
+    if arm == "fixed_matched":  # random batches in exactly the default's number of steps
+        steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed).num_steps
+        order = np.random.default_rng(seed).permutation(len(lengths))
+        return Schedule.from_steps([[[int(i)] for i in part] for part in np.array_split(order, steps)],
+                                   -(-len(lengths) // steps), name=arm)
     if arm == "fixed":  # matched to the default's samples per step, as the demo's dry run does
         default_steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed).num_steps
         batch = 2 * max(1, round(len(lengths) / default_steps / 2))
@@ -178,7 +200,7 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         with mixed_packing() if arm == "packed" else nullcontext():
             return global_schedule(lengths, world_size=2, grouping=replace(grouping, cost="summed"), seed=seed)
     if arm in ORDER_ARMS:  # the default's rounds, each round's steps in length order
-        with _round_order(ORDER_ARMS[arm]):
+        with _round_order(ORDER_ARMS[arm], seed):
             return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     if arm == "local":
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
@@ -187,18 +209,20 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
 
 
 @contextmanager
-def _round_order(kind: str):
+def _round_order(kind: str, seed: int = 0):
     """The stratified planner with each round's steps in length order instead of NOTE [ Round order ]'s
     shortest-longest alternation: ``"asc"`` ascending every round, ``"zigzag"`` ascending then descending the next
     round (consecutive steps alike across round borders too), ``"tent"`` up over the round's first half and down
-    over its second (each half spans the round's lengths). Each round is still a sample of the buffer: no
-    epoch-long curriculum."""
+    over its second (each half spans the round's lengths), ``"random"`` a permutation seeded by ``seed`` and the
+    round. Each round is still a sample of the buffer: no epoch-long curriculum."""
     from evenflow.planning.pooled import plan
 
     rounds = iter(range(1 << 30))
 
     def ordered(keys: np.ndarray) -> np.ndarray:
         asc = np.lexsort((np.arange(len(keys)), keys))
+        if kind == "random":
+            return np.random.default_rng((seed, next(rounds))).permutation(len(keys))
         if kind == "tent":  # ranks 0, 2, 4, ... up, then ..., 5, 3, 1 down
             return np.concatenate((asc[0::2], asc[1::2][::-1]))
         return asc[::-1] if kind == "zigzag" and next(rounds) % 2 else asc
@@ -226,7 +250,6 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
     from evenflow.demo.config import schedule_factor
     from evenflow.demo.train import build_model, sum_loss
     from evenflow.runtime import PadCollate
-    from evenflow.sim.composition import step_composition
 
     torch.set_num_threads(1)
     config, prepared = _prepare(data, seed)
@@ -263,11 +286,42 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
             loss, n = sum_loss(model, {"input_ids": s["input_ids"][None], "labels": s["labels"][None]})
             total += (loss.item(), n)
     padded = sum(len(g) * int(prepared.lengths[g].max()) for s in steps for g in s)
-    comp = step_composition(schedule, prepared.lengths)
     tag = ({} if optimizer == "adamw" else {"optimizer": optimizer}) | ({} if warmup is None else {"warmup": warmup})
     return {"data": data, "arm": arm, "seed": seed, **tag, "heldout_loss": float(total[0] / total[1]),
             "optimizer_steps": len(steps), "padded_efficiency": round(int(prepared.lengths.sum()) / padded, 4),
-            **{k: round(float(comp[k]), 4) for k in ("H", "H_g", "late", "q_cv")}}
+            **composition(schedule, prepared.lengths)}
+
+
+def composition(schedule, lengths: np.ndarray) -> dict:
+    """A row's composition fields (:func:`evenflow.sim.step_composition`), rounded as stored."""
+    from evenflow.sim.composition import step_composition
+
+    comp = step_composition(schedule, lengths)
+    return {k: round(float(comp[k]), 4) for k in COMPOSITION}
+
+
+def fill_composition(rows: list[dict]) -> int:
+    """Add the composition fields a row lacks (rows written before ``rough`` existed): from the arm's schedule,
+    which is a function of data, arm and seed (no training). Returns the rows changed."""
+    changed = 0
+    for (data, seed), group in _by(rows, lambda r: (r["data"], r["seed"])).items():
+        todo = [r for r in group if any(k not in r for k in COMPOSITION)]
+        if not todo:
+            continue
+        lengths = _prepare(data, seed)[1].lengths
+        for arm, same in _by(todo, lambda r: r["arm"]).items():
+            fields = composition(_schedule(arm, lengths, seed), lengths)
+            for r in same:
+                r.update(fields)
+                changed += 1
+    return changed
+
+
+def _by(rows: list[dict], key) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
 
 
 def _interval(diffs: np.ndarray) -> tuple[float, float]:
@@ -305,7 +359,7 @@ def _summarize_runs(by: dict) -> dict:
         if got:
             res["arms"][arm] = {"seeds": len(got), "heldout_loss": float(np.mean([r["heldout_loss"] for r in got])),
                                 **{k: float(np.mean([r[k] for r in got])) for k in
-                                   ("optimizer_steps", "padded_efficiency", "H", "H_g", "late", "q_cv")}}
+                                   ("optimizer_steps", "padded_efficiency", *COMPOSITION) if all(k in r for r in got)}}
     pairs = [(a, "fixed") for a in ARMS + CONTROL_ARMS if a != "fixed"]
     for arm, ref in pairs + [("default", "today"), ("default_nolr", "default"), *CONTROLS]:
         both = [s for s in seeds if (arm, s) in by and (ref, s) in by]
@@ -324,7 +378,7 @@ def _print(summary: dict) -> None:
         for arm, a in res["arms"].items():
             print(f"  {arm:<8} held-out {a['heldout_loss']:.4f} over {a['seeds']:2d} seeds | steps {a['optimizer_steps']:.1f} "
                   f"padded eff {a['padded_efficiency']:.3f} | H {a['H']:.2f} H_g {a['H_g']:.2f} late {a['late']:.2f} "
-                  f"q_cv {a['q_cv']:.3f}", file=sys.stderr)
+                  f"q_cv {a['q_cv']:.3f} rough {a.get('rough', float('nan')):.2f}", file=sys.stderr)
         for name, p in res["paired"].items():
             print(f"  {name:<16} mean {p['mean']:+.4f}  95% CI [{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]  "
                   f"better on {p['better_on']} of {p['seeds']}", file=sys.stderr)
@@ -343,9 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--report", action="store_true", help="only summarize --out")
+    parser.add_argument("--fill-composition", action="store_true",
+                        help="add the composition fields older rows of --out lack (schedules only, no training)")
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
-    if not args.report:
+    if args.fill_composition:
+        if fill_composition(rows):
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(args.out)
+    elif not args.report:
         done = {(r["arm"], r["seed"], _setting(r)) for r in rows}
         setting = (args.data, args.optimizer, args.warmup)
         todo = [(args.data, arm, seed, args.optimizer, args.warmup) for seed in range(args.seeds) for arm in args.arms

@@ -54,6 +54,9 @@ def test_controls_keep_what_they_claim(replay, lengths):
         assert gap[:-1].max() <= lengths.max(), arm  # to the nearest sample (the last step takes the rest)
     counts = _steps(replay._schedule("counts", lengths, seed=1))
     assert [len(s) for s in counts] == [len(s) for s in default]
+    matched = _steps(replay._schedule("fixed_matched", lengths, seed=1))
+    sizes = [len(s) for s in matched]
+    assert len(matched) == len(default) and max(sizes) - min(sizes) <= 1
     for arm in ("accum2", "w4"):
         groups = [[g for g in step if g] for step in replay._schedule(arm, lengths, seed=1).batches()]
         assert max(len(g) for g in groups) == 4, arm
@@ -90,3 +93,21 @@ def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
         assert sorted(map(sorted, steps)) == sorted(map(sorted, default)), arm
         assert steps != default, arm
     assert plan.round_order is mix.round_order  # the planner's own order is back
+
+
+def test_old_rows_get_the_composition_their_arm_plans(replay, lengths, monkeypatch):
+    class Prepared:
+        pass
+
+    prepared = Prepared()
+    prepared.lengths = lengths
+    monkeypatch.setattr(replay, "_prepare", lambda data, seed: (None, prepared))
+    old = {"H": 1.0, "H_g": 1.0, "late": 0.25, "q_cv": 0.02}  # a row written before `rough` existed
+    rows = [{"data": "hh_rlhf", "arm": arm, "seed": 1, "heldout_loss": 6.0, **old, **extra}
+            for arm in ("default_nolr", "default_smooth") for extra in ({}, {"optimizer": "sgd"})]
+    full = {**rows[0], **replay.composition(replay._schedule("fixed", lengths, 1), lengths), "arm": "fixed"}
+    assert replay.fill_composition(rows + [dict(full)]) == 4  # a complete row is left alone
+    for r in rows:
+        assert r == {**r, **replay.composition(replay._schedule(r["arm"], lengths, 1), lengths)}
+    # the metric tells the orders apart: the planner's alternation is rougher than the zigzag of the same steps
+    assert rows[0]["rough"] > 2 * rows[2]["rough"], rows

@@ -30,11 +30,26 @@ def test_random_batches_score_one_and_a_curriculum_scores_high():
     order = rng.permutation(ls.size)
     random_steps = [[order[i:i + 10].tolist()] for i in range(0, ls.size, 10)]  # one micro-batch of 10 per step
     c = step_composition(Schedule.from_steps(random_steps, 1), ls)
-    assert 0.8 < c["H"] < 1.25 and abs(c["late"] - 0.25) < 0.05 and c["q_cv"] < 0.05
+    assert 0.8 < c["H"] < 1.25 and abs(c["late"] - 0.25) < 0.05 and c["q_cv"] < 0.05 and 0.8 < c["rough"] < 1.25
     by_len = np.argsort(ls, kind="stable")  # shortest first: a curriculum of homogeneous steps
     curriculum = [[by_len[i:i + 10].tolist()] for i in range(0, ls.size, 10)]
     c = step_composition(Schedule.from_steps(curriculum, 1), ls)
-    assert c["H"] > 3 and c["late"] == 1.0 and c["q_cv"] > 0.5
+    assert c["H"] > 3 and c["late"] == 1.0 and c["q_cv"] > 0.5 and c["rough"] < 0.05  # a smooth ramp
+
+
+def test_rough_sees_the_order_of_the_same_steps():
+    ls = _chat_lengths(4000, 0)
+    by_len = np.argsort(ls, kind="stable")
+    steps = [[by_len[i:i + 10].tolist()] for i in range(0, ls.size, 10)]  # homogeneous steps, shortest first
+    shuffled = [steps[i] for i in np.random.default_rng(2).permutation(len(steps))]
+    alternating = [steps[i // 2] if i % 2 == 0 else steps[-1 - i // 2] for i in range(len(steps))]
+    c = {name: step_composition(Schedule.from_steps(s, 1), ls)
+         for name, s in (("sorted", steps), ("shuffled", shuffled), ("alternating", alternating))}
+    hs = [v["H"] for v in c.values()]
+    assert max(hs) < 1.05 * min(hs)  # H does not see the order (its random denominators differ a little)
+    assert c["sorted"]["rough"] < 0.05
+    assert 0.8 * c["shuffled"]["H"] < c["shuffled"]["rough"] < 1.25 * c["shuffled"]["H"]  # random order: ~H
+    assert c["alternating"]["rough"] > 1.5 * c["shuffled"]["H"]  # short-long-short: up to ~2H
 
 
 def test_h_g_compares_with_the_same_micro_batches_dealt_at_random():

@@ -20,11 +20,17 @@ lengths and not order the epoch like a curriculum (issue 18). Four numbers say w
   pushes it up.
 * **q_cv** -- the coefficient of variation of the four quarters' mean sample length (unweighted over
   samples). Random: a few hundredths (it shrinks with the epoch's size).
+* **rough** -- ``mean_s (m_s - m_{s-1})^2`` over consecutive optimizer steps / twice H's denominator: how
+  unlike each step is to the one before. Random batching: ~1; the same steps in a random order: ~H; a
+  smooth length ramp: near 0; homogeneous steps that alternate short and long: up to ~2H. H and q_cv do not
+  see order at the step scale and rough does: the replay's AdamW paid for it at equal steps and equal H
+  (benchmarks/results/2026-12-05_what-the-default-trains.md, "Roughness").
 
 Example: two ranks, one micro-batch each, four samples of lengths 10, 10, 1000, 1000. Steps
 ``[[10], [1000]]``, ``[[10], [1000]]`` are perfectly mixed (``m_s`` equal, H = H_g = 0); steps
 ``[[10], [10]]``, ``[[1000], [1000]]`` are a curriculum of homogeneous steps (H_g = 3 in expectation: a random
-deal of the same four micro-batches is mixed two times in three; 2.8 over the 64 deals drawn here).
+deal of the same four micro-batches is mixed two times in three; 2.8 over the 64 deals drawn here). Order:
+homogeneous steps short, long, short, long are as rough as steps can be; short, short, long, long half as.
 
 >>> from evenflow.sim import Schedule
 >>> ls = np.array([10, 10, 1000, 1000])
@@ -32,6 +38,11 @@ deal of the same four micro-batches is mixed two times in three; 2.8 over the 64
 >>> sorted_ = Schedule.from_steps([[[0], [1]], [[2], [3]]], 2)
 >>> round(step_composition(mixed, ls)["H_g"], 1), round(step_composition(sorted_, ls)["H_g"], 1)
 (0.0, 2.8)
+>>> ls = np.array([10, 1000] * 4)
+>>> alternating = Schedule.from_steps([[[0]], [[1]], [[2]], [[3]], [[4]], [[5]], [[6]], [[7]]], 1)
+>>> runs = Schedule.from_steps([[[0]], [[2]], [[1]], [[3]], [[4]], [[6]], [[5]], [[7]]], 1)
+>>> round(step_composition(alternating, ls)["rough"] / step_composition(runs, ls)["rough"], 1)
+2.3
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ def _step_means(step_of: np.ndarray, num_steps: int, lengths: np.ndarray) -> np.
 
 def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_steps: int = 1,
                      permutations: int = PERMUTATIONS, seed: int = 0) -> dict:
-    """H, H_g, late and q_cv of ``schedule`` (module docstring), plus the optimizer step count ``S``.
+    """H, H_g, late, q_cv and rough of ``schedule`` (module docstring), plus the optimizer step count ``S``.
 
     ``lengths[i]`` is sample i's length (tokens). Deterministic for a given ``seed``.
     """
@@ -68,12 +79,15 @@ def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_step
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     lengths = np.asarray(lengths, dtype=np.int64)
     if not len(schedule.sample):
-        return {"S": 0, "H": float("nan"), "H_g": float("nan"), "late": float("nan"), "q_cv": float("nan")}
+        return {"S": 0, "H": float("nan"), "H_g": float("nan"), "late": float("nan"), "q_cv": float("nan"),
+                "rough": float("nan")}
     ls = np.maximum(lengths[schedule.sample], 1)
     opt = schedule.step // grad_accum_steps
     used, step_of = np.unique(opt, return_inverse=True)  # drop optimizer steps without samples
     num_steps = used.size
-    var = float(np.var(_step_means(step_of, num_steps, ls)))
+    step_means = _step_means(step_of, num_steps, ls)
+    var = float(np.var(step_means))
+    lag = float(np.mean(np.diff(step_means) ** 2)) if num_steps > 1 else float("nan")
     rng = np.random.default_rng(seed)
 
     # H: the epoch's samples permuted into the same per-step sample counts.
@@ -95,7 +109,8 @@ def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_step
     means = np.array([ls[quarter == j].mean() for j in range(4) if (quarter == j).any()])
     q_cv = float(means.std() / means.mean()) if means.size > 1 else 0.0
     return {"S": int(num_steps), "H": float(var / random_var) if random_var > 0 else float("nan"),
-            "H_g": float(var / group_var) if group_var > 0 else float("nan"), "late": late, "q_cv": q_cv}
+            "H_g": float(var / group_var) if group_var > 0 else float("nan"), "late": late, "q_cv": q_cv,
+            "rough": float(lag / (2 * random_var)) if random_var > 0 else float("nan")}
 
 
 def _batch_steps(batch_of: np.ndarray, step_of: np.ndarray, num_batches: int) -> np.ndarray:
