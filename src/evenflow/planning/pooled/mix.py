@@ -39,10 +39,11 @@ NOTE [ Round order ]
     within-round curriculum, and any k consecutive steps (an accumulation window that straddles rounds)
     pair short with long.
     Known cost: with one micro-batch per rank (no accumulation) it also makes every optimizer step unlike
-    the one before, and AdamW pays for that. The same steps in a zigzag order (ascending one round,
-    descending the next) trained 0.021 nats/token better on hh-rlhf (16 seeds) and chitchat (32), but turn
-    each round into a length ramp, so the epoch's quarters differ where a quarter holds a round or two (q_cv
-    up to 0.18 at W = 8). Open (benchmarks/results/2026-12-05_what-the-default-trains.md).
+    the one before (``rough`` ~1.7 H in evenflow.sim.composition, the most its steps allow), and AdamW pays
+    for that. The same steps in a zigzag order (ascending one round, descending the next; rough ~0.1-0.4 H)
+    trained 0.021 nats/token better on hh-rlhf (16 seeds) and chitchat (32), but turn each round into a
+    length ramp, so the epoch's quarters differ wherever an epoch is under ~160 steps (q_cv up to 0.18 at
+    W = 8). Open (benchmarks/results/2026-12-05_what-the-default-trains.md).
 """
 
 from __future__ import annotations
