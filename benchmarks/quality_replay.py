@@ -41,6 +41,8 @@ Controls, which take one thing away (no LR rule):
     default_smooth   the same, ascending and descending in turn (a zigzag: consecutive steps alike across rounds)
     default_tent     the same, up over each round's first half and down over its second (each half spans the
                      round's lengths, so a quarter of the epoch that cuts a round in two stays alike)
+    default_permuted the default's steps in a random order over the whole epoch: its steps without its timing
+                     (which lengths train early or late), whatever the round
     default_random   the same, each round's steps in a random order (seeded by the seed and the round): no
                      designed order at all, consecutive steps as alike as two random steps of a round
 
@@ -94,7 +96,7 @@ ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": 
 COMPOSITION = ("H", "H_g", "late", "q_cv", "rough")
 """A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
-                "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", *ORDER_ARMS)
+                "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted", *ORDER_ARMS)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
@@ -103,7 +105,8 @@ CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("defaul
             ("w4", "w4_shuffled"), ("default_smooth", "default_nolr"), ("default_asc", "default_nolr"),
             ("default_smooth", "shuffled"), ("default_tent", "default_nolr"), ("default_tent", "shuffled"),
             ("default_random", "default_nolr"), ("default_random", "shuffled"), ("default_smooth", "default_random"),
-            ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"))
+            ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"),
+            ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr)."""
@@ -189,6 +192,10 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         half = global_schedule(lengths, world_size=2, grouping=half_budget, seed=seed).batches()
         return Schedule.from_steps([half[j] + half[j + 1] if j + 1 < len(half) else half[j]
                                     for j in range(0, len(half), 2)], 4, name=arm)
+    if arm == "default_permuted":  # the default's steps in a random order: its step structure, none of its timing
+        steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed).batches()
+        return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + 40_000).permutation(len(steps))],
+                                   2, name=arm)
     if arm == "today_random":  # the pre-issue-18 steps in a random order: homogeneous steps, no curriculum
         steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed, mix="cost_order").batches()
         return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + 20_000).permutation(len(steps))],
@@ -302,7 +309,8 @@ def composition(schedule, lengths: np.ndarray) -> dict:
 
 def fill_composition(rows: list[dict]) -> int:
     """Add the composition fields a row lacks (rows written before ``rough`` existed): from the arm's schedule,
-    which is a function of data, arm and seed (no training). Returns the rows changed."""
+    which is a function of data, arm and seed (no training). A row whose step count is not its schedule's today
+    was trained before its arm changed: it is left as it is, and named. Returns the rows changed."""
     changed = 0
     for (data, seed), group in _by(rows, lambda r: (r["data"], r["seed"])).items():
         todo = [r for r in group if any(k not in r for k in COMPOSITION)]
@@ -310,8 +318,14 @@ def fill_composition(rows: list[dict]) -> int:
             continue
         lengths = _prepare(data, seed)[1].lengths
         for arm, same in _by(todo, lambda r: r["arm"]).items():
-            fields = composition(_schedule(arm, lengths, seed), lengths)
+            schedule = _schedule(arm, lengths, seed)
+            steps = sum(1 for step in schedule.batches() if any(step))
+            fields = composition(schedule, lengths)
             for r in same:
+                if r.get("optimizer_steps", steps) != steps:
+                    print(f"{data} {arm} seed {seed}: trained {r['optimizer_steps']} steps, its schedule has {steps} "
+                          "today (the arm changed since): left as it is", file=sys.stderr)
+                    continue
                 r.update(fields)
                 changed += 1
     return changed

@@ -88,7 +88,7 @@ def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
     from evenflow.planning.pooled import mix, plan
 
     default = _steps(replay._schedule("default", lengths, seed=1))
-    for arm in replay.ORDER_ARMS:
+    for arm in (*replay.ORDER_ARMS, "default_permuted"):
         steps = _steps(replay._schedule(arm, lengths, seed=1))
         assert sorted(map(sorted, steps)) == sorted(map(sorted, default)), arm
         assert steps != default, arm
@@ -103,10 +103,13 @@ def test_old_rows_get_the_composition_their_arm_plans(replay, lengths, monkeypat
     prepared.lengths = lengths
     monkeypatch.setattr(replay, "_prepare", lambda data, seed: (None, prepared))
     old = {"H": 1.0, "H_g": 1.0, "late": 0.25, "q_cv": 0.02}  # a row written before `rough` existed
-    rows = [{"data": "hh_rlhf", "arm": arm, "seed": 1, "heldout_loss": 6.0, **old, **extra}
+    steps = len(_steps(replay._schedule("default", lengths, seed=1)))
+    rows = [{"data": "hh_rlhf", "arm": arm, "seed": 1, "heldout_loss": 6.0, "optimizer_steps": steps, **old, **extra}
             for arm in ("default_nolr", "default_smooth") for extra in ({}, {"optimizer": "sgd"})]
     full = {**rows[0], **replay.composition(replay._schedule("fixed", lengths, 1), lengths), "arm": "fixed"}
-    assert replay.fill_composition(rows + [dict(full)]) == 4  # a complete row is left alone
+    stale = {**rows[0], "optimizer_steps": steps + 5}  # trained before its arm changed: not its schedule today
+    assert replay.fill_composition(rows + [dict(full), stale]) == 4  # a complete row and a stale one are left alone
+    assert "rough" not in stale
     for r in rows:
         assert r == {**r, **replay.composition(replay._schedule(r["arm"], lengths, 1), lengths)}
     # the metric tells the orders apart: the planner's alternation is rougher than the zigzag of the same steps
