@@ -16,6 +16,7 @@ import argparse
 import torch
 from transformers import TrainingArguments
 
+from evenflow.integrations import destroy_process_groups
 from evenflow.integrations.hf import DynamicBatchTrainer
 from _tiny import RandomChat, tiny_llama
 
@@ -37,11 +38,12 @@ def main() -> None:
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
         print("eval", metrics)
-    # Tear the groups down explicitly: left to interpreter exit, gloo's destructors occasionally abort
-    # ("terminate called without an active exception") when the loaders' own groups outlive the default one.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # After main() returns: the trainer, its DDP model and the loaders sit in reference cycles that hold gloo
+        # groups; left to interpreter exit, their teardown can abort the process (see destroy_process_groups).
+        destroy_process_groups()

@@ -28,6 +28,7 @@ import evenflow
 from evenflow.balance.orchestrator import GlobalOrchestrator
 from evenflow.data import QwenChatTokenizer, chitchat_conversations
 from evenflow.data.audio import AUDIO_PAD_ID
+from evenflow.integrations import destroy_process_groups
 from evenflow.data.multimodal import MediaCollate, MediaMix, MultimodalChatDataset
 from evenflow.models import (TinyMLLM, TokenFold, example_from_sample, orchestrated_step, orchestrator_config,
                              real_media_config)
@@ -110,7 +111,7 @@ def main() -> None:
             print(json.dumps({"mode": args.mode, "steps": len(records), "final_loss": records[-1]["loss"],
                               "wall_s": round(time.perf_counter() - t0, 2)}))
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()  # the loaders' groups too, before interpreter exit
 
 
 if __name__ == "__main__":

@@ -367,6 +367,37 @@ def test_hf_example_under_torchrun(tmp_path):
         assert (tmp_path / "checkpoint-6" / f"evenflow_loader_rank{rank}.json").is_file()
 
 
+_CYCLE_SCRIPT = """
+import gc, sys, tempfile, weakref
+from datetime import timedelta
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from _tiny import RandomChat
+from evenflow import DynamicBatchLoader
+from evenflow.integrations import destroy_process_groups
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rdv", rank=0, world_size=1)
+gc.disable()  # only destroy_process_groups may collect
+loader = DynamicBatchLoader(RandomChat(8), token_budget=64, num_workers=0,
+                            process_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=30)))
+cycle = [loader]
+cycle.append(cycle)
+alive = weakref.ref(loader)
+del loader, cycle
+print("held by the cycle:", alive() is not None)
+destroy_process_groups()
+print("freed:", alive() is None, "initialized:", dist.is_initialized())
+"""
+
+
+def test_destroy_process_groups_frees_cycles_before_exit():
+    """A loader in a reference cycle holds its gloo group until a collection; left to interpreter exit, that
+    teardown can abort the process (examples/hf_trainer.py did, once in CI). The helper collects first."""
+    proc = subprocess.run([sys.executable, "-c", _CYCLE_SCRIPT, str(EXAMPLES)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["held by the cycle: True", "freed: True initialized: False"], proc.stdout
+
+
 class _Unsupervised(torch.utils.data.Dataset):
     """Samples 0-5 have no supervised token at all (every label -100): their batches' mean loss is 0/0."""
 

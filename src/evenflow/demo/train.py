@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from ..integrations.mesh import destroy_process_groups
 from ..lr import TokenLRScaler
 from ..planning.loss import IGNORE_INDEX
 from .arms import PAD_ID, Window, arm_windows, batch_cost, planned_steps
@@ -216,19 +217,24 @@ def rank_main(rank: int, config: DemoConfig, data: DemoData, matching: Matching,
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=config.world_size, timeout=timedelta(seconds=config.timeout_s))
     try:
-        _warm_up(config, data)
-        runs = [ArmRun(arm, data, config, matching, rank) for arm in config.arms]
-        timing = _interleaved(runs, data, config, rank, progress)
-        results = {"initial_heldout": timing["initial_heldout"], "arms": {}}
-        for run in runs:
-            gathered: list[Any] = [None] * config.world_size
-            dist.all_gather_object(gathered, run.records)
-            results["arms"][run.arm] = {"chunks": timing["chunks"][run.arm], "per_rank_steps": gathered,
-                                        "optimizer_steps": run.steps, "planned_steps": run.total_steps,
-                                        "lrs": run.lrs, "exhausted": run.exhausted}
-        results["model_parameters"] = sum(p.numel() for p in runs[0].model.parameters())
-        if rank == 0:
-            with open(result_path, "w", encoding="utf-8") as f:
-                json.dump(results, f)
+        _all_arms(config, data, matching, rank, result_path, progress)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()  # after _all_arms's models and loaders are gone: nothing left for interpreter exit
+
+
+def _all_arms(config: DemoConfig, data: DemoData, matching: Matching, rank: int, result_path: str,
+              progress: bool) -> None:
+    _warm_up(config, data)
+    runs = [ArmRun(arm, data, config, matching, rank) for arm in config.arms]
+    timing = _interleaved(runs, data, config, rank, progress)
+    results = {"initial_heldout": timing["initial_heldout"], "arms": {}}
+    for run in runs:
+        gathered: list[Any] = [None] * config.world_size
+        dist.all_gather_object(gathered, run.records)
+        results["arms"][run.arm] = {"chunks": timing["chunks"][run.arm], "per_rank_steps": gathered,
+                                    "optimizer_steps": run.steps, "planned_steps": run.total_steps,
+                                    "lrs": run.lrs, "exhausted": run.exhausted}
+    results["model_parameters"] = sum(p.numel() for p in runs[0].model.parameters())
+    if rank == 0:
+        with open(result_path, "w", encoding="utf-8") as f:
+            json.dump(results, f)

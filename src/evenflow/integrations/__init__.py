@@ -9,14 +9,16 @@
                    ``EvenflowProgressBar`` (ETA from the loader's step bound), ``training_loss`` (extra ``lightning``)
 - evaluation.py  -- ``eval_loader`` (no shuffle, every sample once), ``evaluate_loss`` (exact per-token loss)
 - metrics.py     -- ``StepMetrics``: per-step metrics dict from StepInfo, no communication
-- mesh.py        -- ``dp_process_group``: the loader's gloo group over a DeviceMesh's data-parallel dimension
+- mesh.py        -- ``dp_process_group``: the loader's gloo group over a DeviceMesh's data-parallel dimension;
+                   ``destroy_process_groups``: the end of a job, with nothing left for interpreter exit
 
 Plain DDP / FSDP2 loops need nothing beyond the loader: see examples/ddp_train.py and examples/fsdp2_train.py.
 """
 
 from .evaluation import eval_loader, evaluate_loss
-from .mesh import dp_process_group, dp_rank_groups
+from .mesh import destroy_process_groups, dp_process_group, dp_rank_groups
 from .metrics import StepMetrics
 from .states import LoaderCheckpoint
 
-__all__ = ["eval_loader", "evaluate_loss", "dp_process_group", "dp_rank_groups", "StepMetrics", "LoaderCheckpoint"]
+__all__ = ["eval_loader", "evaluate_loss", "dp_process_group", "dp_rank_groups", "destroy_process_groups", "StepMetrics",
+           "LoaderCheckpoint"]
