@@ -2,7 +2,8 @@
 
 For each data set and world size (token budget 16,384, the loader's default buffer), every policy's epoch is
 scored on batching -- optimizer steps (and the global oracle's), padded efficiency, mean per-step imbalance
-(max / mean padded cost) -- and on composition (:mod:`evenflow.sim.composition`): H, H_g, late, q_cv, rough.
+(max / mean padded cost) -- and on composition (:mod:`evenflow.sim.composition`): H, H_g, late, q_cv, rough,
+timing.
 
     default    planning="auto" at 2-8 ranks = global planning, stratified mix (issue 18)
     today      global planning as before issue 18 (GlobalPlanConfig(mix="cost_order"))
@@ -201,15 +202,16 @@ def real_loader(quick: bool) -> dict:
 
 def _row(name: str, p: dict) -> str:
     return (f"| {name} | {p['steps']} | {p['padded_efficiency']:.3f} | {p['imbalance']:.3f} | {p['H']:.2f} | "
-            f"{p['H_g']:.2f} | {p['late']:.2f} | {p['q_cv']:.3f} | {p['rough']:.2f} |")
+            f"{p['H_g']:.2f} | {p['late']:.2f} | {p['q_cv']:.3f} | {p['rough']:.2f} | {p['timing']:.2f} |")
 
 
 def markdown(res: dict) -> str:
-    head = ["| policy | steps | padded eff. | imbalance | H | H_g | late | q_cv | rough |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    head = ["| policy | steps | padded eff. | imbalance | H | H_g | late | q_cv | rough | timing |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     md = ["Random batching: H ~ 1, late ~ 0.25, q_cv a few hundredths, rough ~ 1. H_g <= 1: as mixed as the same "
           "micro-batches dealt at random. rough: how unlike consecutive optimizer steps are (~H for steps in a random "
-          "order, up to ~2H alternating). Goals (issue 18, `default`): H_g <= 1.0, late 0.25 +- 0.03, q_cv <= 0.05; steps / "
+          "order, up to ~2H alternating). timing: the largest distance from 0.5 of a length tenth's mean position "
+          "in the epoch (random: a few hundredths). Goals (issue 18, `default`): H_g <= 1.0, late 0.25 +- 0.03, q_cv <= 0.05; steps / "
           "efficiency / imbalance within 0.005x / 0.006 / 0.01 of `today`.", ""]
     for name, by_w in res["sim"].items():
         for w, row in by_w.items():
@@ -219,15 +221,15 @@ def markdown(res: dict) -> str:
         md += ["**Accumulation** (the default at `token_budget=8192, grad_accum_steps=2`: the same tokens per optimizer "
                "step in 2W micro-batches; steps = optimizer steps, imbalance per micro-step; `alone` = samples longer than "
                "8,192, trained alone above the micro-batch budget -- where it is not 0 the split is no real option):", "",
-               "| data | W | steps (vs W micro-batches) | padded eff. | imbalance | H | H_g | late | q_cv | rough | alone |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
+               "| data | W | steps (vs W micro-batches) | padded eff. | imbalance | H | H_g | late | q_cv | rough | timing "
+               "| alone |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, by_w in res["accumulation"].items():
             for w, p in by_w.items():
                 one = res["sim"][name][w]["default"]
                 md.append(f"| {name} | {w} | {p['steps']} ({one['steps']}) | {p['padded_efficiency']:.3f} | "
                           f"{p['imbalance']:.3f} | {p['H']:.2f} | {p['H_g']:.2f} | {p['late']:.2f} | {p['q_cv']:.3f} | "
-                          f"{p['rough']:.2f} | "
-                          f"{p['over_budget']} |")
+                          f"{p['rough']:.2f} | {p['timing']:.2f} | {p['over_budget']} |")
         md.append("")
     if res.get("frontier"):
         md += ["**Frontier** (`mix_tolerance` -> mean imbalance, H_g, and H_g's bound for a perfect mix inside the "
@@ -252,13 +254,16 @@ def markdown(res: dict) -> str:
 
 
 def summary(res: dict) -> dict:
-    d = {f"{n}_W{w}": {k: round(row["default"][k], 3) for k in ("H", "H_g", "late", "q_cv", "rough", "imbalance")}
+    d = {f"{n}_W{w}": {k: round(row["default"][k], 3)
+                       for k in ("H", "H_g", "late", "q_cv", "rough", "timing", "imbalance")}
          for n, by_w in res["sim"].items() for w, row in by_w.items()}
-    d.update({f"accum2_{n}_W{w}": {k: round(p[k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "rough", "imbalance")}
+    d.update({f"accum2_{n}_W{w}": {k: round(p[k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "rough", "timing",
+                                                                   "imbalance")}
               for n, by_w in res.get("accumulation", {}).items() for w, p in by_w.items()})
     for n, r in res.get("real", {}).items():
         for key, tag in (("real_default", "real"), ("real_accum2", "real_accum2")):
-            d[f"{tag}_{n}"] = {k: round(r[key][k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "rough", "imbalance")}
+            d[f"{tag}_{n}"] = {k: round(r[key][k], 3) for k in ("steps", "H", "H_g", "late", "q_cv", "rough", "timing",
+                                                                 "imbalance")}
     return d
 
 

@@ -45,6 +45,9 @@ Controls, which take one thing away (no LR rule):
                      (which lengths train early or late), whatever the round
     default_random   the same, each round's steps in a random order (seeded by the seed and the round): no
                      designed order at all, consecutive steps as alike as two random steps of a round
+    default_nosteer  the default with NOTE [ A round emits a sample of the buffer ]'s steering off: each round's
+                     systematic sample goes as drawn (bounded waiting kept), so every candidate step is as likely
+                     to go in any round as any other -- no length waits for the epoch's end
 
 ``--optimizer`` trains every arm with another optimizer than the demo's AdamW (``OPTIMIZERS``); its rows are
 summarized apart (``hh_rlhf@sgd``), to ask whether a composition cost belongs to the data or to the optimizer.
@@ -93,10 +96,11 @@ import numpy as np
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
 ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent", "default_random": "random"}
 """The default's own steps in another order within each round (``_round_order``)."""
-COMPOSITION = ("H", "H_g", "late", "q_cv", "rough")
+COMPOSITION = ("H", "H_g", "late", "q_cv", "rough", "timing")
 """A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
-                "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted", *ORDER_ARMS)
+                "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted",
+                "default_nosteer", *ORDER_ARMS)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
@@ -206,6 +210,14 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
 
         with mixed_packing() if arm == "packed" else nullcontext():
             return global_schedule(lengths, world_size=2, grouping=replace(grouping, cost="summed"), seed=seed)
+    if arm == "default_nosteer":
+        from evenflow.planning.pooled import mix
+
+        saved, mix.STEER_TOLERANCE = mix.STEER_TOLERANCE, float("inf")  # read at each call: no swap ever needed
+        try:
+            return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
+        finally:
+            mix.STEER_TOLERANCE = saved
     if arm in ORDER_ARMS:  # the default's rounds, each round's steps in length order
         with _round_order(ORDER_ARMS[arm], seed):
             return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
@@ -308,9 +320,9 @@ def composition(schedule, lengths: np.ndarray) -> dict:
 
 
 def fill_composition(rows: list[dict]) -> int:
-    """Add the composition fields a row lacks (rows written before ``rough`` existed): from the arm's schedule,
-    which is a function of data, arm and seed (no training). A row whose step count is not its schedule's today
-    was trained before its arm changed: it is left as it is, and named. Returns the rows changed."""
+    """Add the composition fields a row lacks (rows written before ``rough`` or ``timing`` existed): from the
+    arm's schedule, which is a function of data, arm and seed (no training). A row whose step count is not its
+    schedule's today was trained before its arm changed: it is left as it is, and named. Returns the rows changed."""
     changed = 0
     for (data, seed), group in _by(rows, lambda r: (r["data"], r["seed"])).items():
         todo = [r for r in group if any(k not in r for k in COMPOSITION)]

@@ -95,6 +95,15 @@ def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
     assert plan.round_order is mix.round_order  # the planner's own order is back
 
 
+def test_nosteer_arm_only_turns_the_steering_off(replay, lengths):
+    from evenflow.planning.pooled import mix
+
+    tolerance = mix.STEER_TOLERANCE
+    default, nosteer = (replay._schedule(arm, lengths, seed=1) for arm in ("default", "default_nosteer"))
+    assert mix.STEER_TOLERANCE == tolerance  # restored
+    assert _steps(nosteer) != _steps(default) and abs(nosteer.num_steps - default.num_steps) <= 1
+
+
 def test_old_rows_get_the_composition_their_arm_plans(replay, lengths, monkeypatch):
     class Prepared:
         pass

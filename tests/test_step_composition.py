@@ -31,10 +31,27 @@ def test_random_batches_score_one_and_a_curriculum_scores_high():
     random_steps = [[order[i:i + 10].tolist()] for i in range(0, ls.size, 10)]  # one micro-batch of 10 per step
     c = step_composition(Schedule.from_steps(random_steps, 1), ls)
     assert 0.8 < c["H"] < 1.25 and abs(c["late"] - 0.25) < 0.05 and c["q_cv"] < 0.05 and 0.8 < c["rough"] < 1.25
+    assert c["timing"] < 0.05
     by_len = np.argsort(ls, kind="stable")  # shortest first: a curriculum of homogeneous steps
     curriculum = [[by_len[i:i + 10].tolist()] for i in range(0, ls.size, 10)]
     c = step_composition(Schedule.from_steps(curriculum, 1), ls)
     assert c["H"] > 3 and c["late"] == 1.0 and c["q_cv"] > 0.5 and c["rough"] < 0.05  # a smooth ramp
+    assert c["timing"] > 0.4  # the shortest tenth trains in the first tenth of the epoch
+
+
+def test_timing_sees_a_short_tail_held_back():
+    """Random steps, except that the shortest tenth is packed into the last few steps (what a planner that lets
+    tiny samples wait does): late and H do not see it, timing does. (q_cv does here, 0.13; the default's
+    steering hid it from q_cv by sending the next-shortest tenths early instead -- timing sees both.)"""
+    ls = _chat_lengths(4000, 0)
+    order = np.random.default_rng(3).permutation(ls.size)
+    short = np.argsort(ls, kind="stable")[:400]
+    rest = order[~np.isin(order, short)]
+    steps = [[rest[i:i + 10].tolist()] for i in range(0, rest.size, 10)] + [[short[i:i + 100].tolist()]
+                                                                                for i in range(0, 400, 100)]
+    c = step_composition(Schedule.from_steps(steps, 1), ls)
+    assert abs(c["late"] - 0.25) < 0.05 and c["H"] < 1.25
+    assert c["timing"] > 0.45
 
 
 def test_rough_sees_the_order_of_the_same_steps():

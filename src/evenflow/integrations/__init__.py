@@ -20,5 +20,5 @@ from .mesh import destroy_process_groups, dp_process_group, dp_rank_groups
 from .metrics import StepMetrics
 from .states import LoaderCheckpoint
 
-__all__ = ["eval_loader", "evaluate_loss", "dp_process_group", "dp_rank_groups", "destroy_process_groups", "StepMetrics",
-           "LoaderCheckpoint"]
+__all__ = ["eval_loader", "evaluate_loss", "dp_process_group", "dp_rank_groups", "destroy_process_groups",
+           "StepMetrics", "LoaderCheckpoint"]

@@ -1,7 +1,7 @@
 """What an epoch's optimizer steps are made of: length mix and length order, against random batching.
 
 A planner that forms tight, length-homogeneous micro-batches should still make each *optimizer step* mix
-lengths and not order the epoch like a curriculum (issue 18). Five numbers say whether it does, for any
+lengths and not order the epoch like a curriculum (issue 18). Six numbers say whether it does, for any
 :class:`~evenflow.sim.Schedule`. They describe the plan; what it trains is measured by training
 (``benchmarks/quality_replay.py``), and H alone does not predict it (README, "What the default trains"):
 
@@ -25,6 +25,11 @@ lengths and not order the epoch like a curriculum (issue 18). Five numbers say w
   smooth length ramp: near 0; homogeneous steps that alternate short and long: up to ~2H. H and q_cv do not
   see order at the step scale and rough does: the replay's AdamW paid for it at equal steps and equal H
   (benchmarks/results/2026-12-05_what-the-default-trains.md, "Equal steps, roughness, and a long epoch").
+* **timing** -- the largest distance from 0.5 of a length decile's mean position in the epoch (a sample's
+  position: ``(s + 0.5) / S`` for its optimizer step ``s``; deciles of the epoch's samples by length). Random
+  batching: a few hundredths. ``late`` follows only the longest tenth and ``q_cv`` is carried by the many
+  samples of middling length; timing sees any tenth that trains early or late -- a planner that holds its
+  shortest samples back until the epoch's end (they pack into a few steps of hundreds) scores ~0.3.
 
 Example: two ranks, one micro-batch each, four samples of lengths 10, 10, 1000, 1000. Steps
 ``[[10], [1000]]``, ``[[10], [1000]]`` are perfectly mixed (``m_s`` equal, H = H_g = 0); steps
@@ -61,6 +66,9 @@ percent between seeds, far less than the gaps the metrics are read for."""
 LONG_DECILE = 0.1
 """``late`` follows the longest tenth of the epoch's samples."""
 
+DECILES = 10
+"""``timing`` compares the mean positions of this many length strata of equal sample counts."""
+
 
 def _step_means(step_of: np.ndarray, num_steps: int, lengths: np.ndarray) -> np.ndarray:
     """``m_s`` for each step from per-sample step indices (every step holds >= 1 sample)."""
@@ -72,7 +80,7 @@ def _step_means(step_of: np.ndarray, num_steps: int, lengths: np.ndarray) -> np.
 
 def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_steps: int = 1,
                      permutations: int = PERMUTATIONS, seed: int = 0) -> dict:
-    """H, H_g, late, q_cv and rough of ``schedule`` (module docstring), plus the optimizer step count ``S``.
+    """H, H_g, late, q_cv, rough and timing of ``schedule`` (module docstring), plus the optimizer step count ``S``.
 
     ``lengths[i]`` is sample i's length (tokens). Deterministic for a given ``seed``.
     """
@@ -81,7 +89,7 @@ def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_step
     lengths = np.asarray(lengths, dtype=np.int64)
     if not len(schedule.sample):
         return {"S": 0, "H": float("nan"), "H_g": float("nan"), "late": float("nan"), "q_cv": float("nan"),
-                "rough": float("nan")}
+                "rough": float("nan"), "timing": float("nan")}
     ls = np.maximum(lengths[schedule.sample], 1)
     opt = schedule.step // grad_accum_steps
     used, step_of = np.unique(opt, return_inverse=True)  # drop optimizer steps without samples
@@ -111,7 +119,18 @@ def step_composition(schedule: Schedule, lengths: np.ndarray, *, grad_accum_step
     q_cv = float(means.std() / means.mean()) if means.size > 1 else 0.0
     return {"S": int(num_steps), "H": float(var / random_var) if random_var > 0 else float("nan"),
             "H_g": float(var / group_var) if group_var > 0 else float("nan"), "late": late, "q_cv": q_cv,
-            "rough": float(lag / (2 * random_var)) if random_var > 0 else float("nan")}
+            "rough": float(lag / (2 * random_var)) if random_var > 0 else float("nan"),
+            "timing": _timing(step_of, num_steps, ls)}
+
+
+def _timing(step_of: np.ndarray, num_steps: int, lengths: np.ndarray) -> float:
+    """The largest ``|mean position - 0.5|`` over the length deciles (ties in length keep schedule order)."""
+    position = (step_of + 0.5) / num_steps
+    decile = np.empty(lengths.size, dtype=np.int64)
+    decile[np.argsort(lengths, kind="stable")] = np.arange(lengths.size) * DECILES // lengths.size
+    means = np.bincount(decile, weights=position, minlength=DECILES) / np.maximum(
+        np.bincount(decile, minlength=DECILES), 1)
+    return float(np.abs(means[np.bincount(decile, minlength=DECILES) > 0] - 0.5).max())
 
 
 def _batch_steps(batch_of: np.ndarray, step_of: np.ndarray, num_batches: int) -> np.ndarray:
