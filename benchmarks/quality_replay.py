@@ -110,7 +110,8 @@ CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("defaul
             ("default_smooth", "shuffled"), ("default_tent", "default_nolr"), ("default_tent", "shuffled"),
             ("default_random", "default_nolr"), ("default_random", "shuffled"), ("default_smooth", "default_random"),
             ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"),
-            ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"))
+            ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"),
+            ("default_nosteer", "default_nolr"), ("default_nosteer", "fixed_matched"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr)."""

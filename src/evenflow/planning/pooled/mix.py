@@ -33,6 +33,15 @@ NOTE [ A round emits a sample of the buffer ]
       swapped *within* their chunks (a chunk keeps its length stratum) until they are back.
     Open groups -- the partial group at the short end, which could still take an item -- sit out while the
     buffer refills (they fill up instead of costing an extra step), as the ``G mod W`` least full ones do.
+    Known cost of the steering: a step of many tiny samples (a 4,096-token micro-batch of ~100 chats of <= 47
+    tokens) moves a round's mean sample length far past the tolerance, so it is swapped out round after round
+    until it is old or the epoch drains, and the next-shortest steps go early in its place. On chitchat_full
+    (budget 4,096, W = 2) the shortest tenth trains at mean position 0.78 and the third at 0.23 (``timing``
+    0.29 in evenflow.sim.composition; random batches ~0.03). Without steering every candidate step is as
+    likely to go in any round (``timing`` 0.09), but a lump then lands in one quarter, and q_cv rises wherever
+    a quarter holds a round or two (chitchat at budget 16,384, W = 8: 0.03 -> 0.25). The replay trained both
+    and found no difference (``default_nosteer``: -0.009 on chitchat_full, +0.006 on chitchat, -0.001 on
+    hh-rlhf), so the steering stays (benchmarks/results/2026-12-05_what-the-default-trains.md, fourth session).
 
 NOTE [ Round order ]
     The emitted steps run shortest-longest-second shortest-... by length key, not costliest first: no
