@@ -31,6 +31,7 @@ SMOKE = textwrap.dedent('''
     from datetime import timedelta
     import torch, torch.distributed as dist
     import evenflow
+    from evenflow.integrations import destroy_process_groups
 
     class Data(torch.utils.data.Dataset):
         def __len__(self):
@@ -38,8 +39,7 @@ SMOKE = textwrap.dedent('''
         def __getitem__(self, i):
             return {"input_ids": torch.arange(2 + i % 9)}
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
+    def run():
         loader = evenflow.DynamicBatchLoader(Data(), token_budget=24, timeout=timedelta(seconds=60))
         ids, steps = [], 0
         for batch in loader:
@@ -50,8 +50,12 @@ SMOKE = textwrap.dedent('''
         loader.close()
         with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
             json.dump({"ids": ids, "steps": steps, "file": evenflow.__file__}, f)
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        run()
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 ''')
 
 
