@@ -405,7 +405,8 @@ def _print(summary: dict) -> None:
         for arm, a in res["arms"].items():
             print(f"  {arm:<8} held-out {a['heldout_loss']:.4f} over {a['seeds']:2d} seeds | steps {a['optimizer_steps']:.1f} "
                   f"padded eff {a['padded_efficiency']:.3f} | H {a['H']:.2f} H_g {a['H_g']:.2f} late {a['late']:.2f} "
-                  f"q_cv {a['q_cv']:.3f} rough {a.get('rough', float('nan')):.2f}", file=sys.stderr)
+                  f"q_cv {a['q_cv']:.3f} rough {a.get('rough', float('nan')):.2f} "
+                  f"timing {a.get('timing', float('nan')):.2f}", file=sys.stderr)
         for name, p in res["paired"].items():
             print(f"  {name:<16} mean {p['mean']:+.4f}  95% CI [{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]  "
                   f"better on {p['better_on']} of {p['seeds']}", file=sys.stderr)
