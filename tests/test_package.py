@@ -31,7 +31,6 @@ SMOKE = textwrap.dedent('''
     from datetime import timedelta
     import torch, torch.distributed as dist
     import evenflow
-    from evenflow.integrations import destroy_process_groups
 
     class Data(torch.utils.data.Dataset):
         def __len__(self):
@@ -39,7 +38,8 @@ SMOKE = textwrap.dedent('''
         def __getitem__(self, i):
             return {"input_ids": torch.arange(2 + i % 9)}
 
-    def run():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
         loader = evenflow.DynamicBatchLoader(Data(), token_budget=24, timeout=timedelta(seconds=60))
         ids, steps = [], 0
         for batch in loader:
@@ -50,12 +50,8 @@ SMOKE = textwrap.dedent('''
         loader.close()
         with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
             json.dump({"ids": ids, "steps": steps, "file": evenflow.__file__}, f)
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        run()
     finally:
-        destroy_process_groups()
+        dist.destroy_process_group()
 ''')
 
 

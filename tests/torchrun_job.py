@@ -7,23 +7,17 @@ from pathlib import Path
 import torch.distributed as dist
 
 import evenflow
-from evenflow.integrations import destroy_process_groups
 from loader_scenarios import TokenDataset
-
-
-def main() -> None:
-    loader = evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=2048, buffer_size=32, num_workers=1)
-    steps, samples = 0, 0
-    for batch in loader:
-        samples += evenflow.pop_step_info(batch).local_samples
-        steps += 1
-    loader.close()
-    Path(sys.argv[1], f"rank{dist.get_rank()}.txt").write_text(f"{steps} {samples}")
-
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        main()
+        loader = evenflow.DynamicBatchLoader(TokenDataset(301), token_budget=2048, buffer_size=32, num_workers=1)
+        steps, samples = 0, 0
+        for batch in loader:
+            samples += evenflow.pop_step_info(batch).local_samples
+            steps += 1
+        loader.close()
+        Path(sys.argv[1], f"rank{dist.get_rank()}.txt").write_text(f"{steps} {samples}")
     finally:
-        destroy_process_groups()  # main's loader is gone: nothing holds a gloo group into interpreter exit
+        dist.destroy_process_group()
