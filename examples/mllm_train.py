@@ -28,8 +28,8 @@ import evenflow
 from evenflow.balance.orchestrator import GlobalOrchestrator
 from evenflow.data import QwenChatTokenizer, chitchat_conversations
 from evenflow.data.audio import AUDIO_PAD_ID
-from evenflow.integrations import destroy_process_groups
 from evenflow.data.multimodal import MediaCollate, MediaMix, MultimodalChatDataset
+from evenflow.integrations import destroy_process_groups
 from evenflow.models import (TinyMLLM, TokenFold, example_from_sample, orchestrated_step, orchestrator_config,
                              real_media_config)
 

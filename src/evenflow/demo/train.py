@@ -224,6 +224,7 @@ def rank_main(rank: int, config: DemoConfig, data: DemoData, matching: Matching,
 
 def _all_arms(config: DemoConfig, data: DemoData, matching: Matching, rank: int, result_path: str,
               progress: bool) -> None:
+    """Every arm of one rank; its models and loaders are freed when it returns, before the groups go."""
     _warm_up(config, data)
     runs = [ArmRun(arm, data, config, matching, rank) for arm in config.arms]
     timing = _interleaved(runs, data, config, rank, progress)
