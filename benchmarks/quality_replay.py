@@ -197,13 +197,12 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
         half = global_schedule(lengths, world_size=2, grouping=half_budget, seed=seed).batches()
         return Schedule.from_steps([half[j] + half[j + 1] if j + 1 < len(half) else half[j]
                                     for j in range(0, len(half), 2)], 4, name=arm)
-    if arm == "default_permuted":  # the default's steps in a random order: its step structure, none of its timing
-        steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed).batches()
-        return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + 40_000).permutation(len(steps))],
-                                   2, name=arm)
-    if arm == "today_random":  # the pre-issue-18 steps in a random order: homogeneous steps, no curriculum
-        steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed, mix="cost_order").batches()
-        return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + 20_000).permutation(len(steps))],
+    if arm in ("default_permuted", "today_random"):  # a planner's steps in a random order over the whole epoch
+        # default_permuted: the default's step structure, none of its timing; today_random: the pre-issue-18
+        # steps, homogeneous without the curriculum
+        policy, salt = ("stratified", 40_000) if arm == "default_permuted" else ("cost_order", 20_000)
+        steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed, mix=policy).batches()
+        return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + salt).permutation(len(steps))],
                                    2, name=arm)
     if arm in ("packed", "packed_sorted"):  # padding-free packs of 4,096 tokens: dealt mixed, or the library's
         sys.path.insert(0, str(Path(__file__).parent))

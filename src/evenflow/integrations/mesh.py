@@ -28,10 +28,11 @@ def destroy_process_groups() -> None:
 
     A trainer, a DDP model or a loader can sit in a reference cycle that keeps its gloo group alive after
     ``destroy_process_group()``; the cycle is then collected at interpreter exit, and a gloo backend torn down
-    that late can abort the process (``terminate called without an active exception``: a gloo thread asks for
-    the GIL while the interpreter is finalizing). Measured on examples/hf_trainer.py: after ``main()`` returns,
-    the trainer, its DDP model and both loaders are still alive until a ``gc.collect()``. Collecting first
-    leaves the registry holding the last reference, so every backend is freed here, with the interpreter alive.
+    that late is the likely cause of a rare abort at exit (``terminate called without an active exception``,
+    once in CI from examples/hf_trainer.py; not reproduced). Measured on that example: after ``main()``
+    returns, the trainer, its DDP model and both loaders are still alive until a ``gc.collect()``. Collecting
+    first leaves the registry holding the last reference, so the groups are released here, with the
+    interpreter alive.
     A no-op without an initialized process group (apart from the collection).
     """
     gc.collect()

@@ -27,9 +27,10 @@ lengths and not order the epoch like a curriculum (issue 18). Six numbers say wh
   (benchmarks/results/2026-12-05_what-the-default-trains.md, "Equal steps, roughness, and a long epoch").
 * **timing** -- the largest distance from 0.5 of a length decile's mean position in the epoch (a sample's
   position: ``(s + 0.5) / S`` for its optimizer step ``s``; deciles of the epoch's samples by length). Random
-  batching: a few hundredths. ``late`` follows only the longest tenth and ``q_cv`` is carried by the many
-  samples of middling length; timing sees any tenth that trains early or late -- a planner that holds its
-  shortest samples back until the epoch's end (they pack into a few steps of hundreds) scores ~0.3.
+  batching: a few hundredths. ``late`` follows only the longest tenth, and ``q_cv`` misses a tenth held back
+  when the next tenths go early in its place (the quarters' mean lengths even out); timing sees any tenth
+  that trains early or late -- the default holds its shortest samples back until the epoch's end (they pack
+  into a few steps of hundreds) and scores ~0.3.
 
 Example: two ranks, one micro-batch each, four samples of lengths 10, 10, 1000, 1000. Steps
 ``[[10], [1000]]``, ``[[10], [1000]]`` are perfectly mixed (``m_s`` equal, H = H_g = 0); steps
@@ -128,9 +129,9 @@ def _timing(step_of: np.ndarray, num_steps: int, lengths: np.ndarray) -> float:
     position = (step_of + 0.5) / num_steps
     decile = np.empty(lengths.size, dtype=np.int64)
     decile[np.argsort(lengths, kind="stable")] = np.arange(lengths.size) * DECILES // lengths.size
-    means = np.bincount(decile, weights=position, minlength=DECILES) / np.maximum(
-        np.bincount(decile, minlength=DECILES), 1)
-    return float(np.abs(means[np.bincount(decile, minlength=DECILES) > 0] - 0.5).max())
+    counts = np.bincount(decile, minlength=DECILES)
+    means = np.bincount(decile, weights=position, minlength=DECILES)[counts > 0] / counts[counts > 0]
+    return float(np.abs(means - 0.5).max())
 
 
 def _batch_steps(batch_of: np.ndarray, step_of: np.ndarray, num_batches: int) -> np.ndarray:
