@@ -102,7 +102,7 @@ def accumulation(sets: dict[str, np.ndarray]) -> dict:
     grouping = GroupingConfig(token_budget=BUDGET // 2, oversize="alone")
     for name, ls in sets.items():
         for world in WORLDS:
-            s = global_schedule(ls, world_size=world, grouping=grouping)
+            s = global_schedule(ls, world_size=world, grouping=grouping, grad_accum_steps=2)
             comp = step_composition(s, ls, grad_accum_steps=2)
             out.setdefault(name, {})[str(world)] = {**batching(s, ls), "steps": int(comp["S"]),
                                                      "over_budget": int((ls > BUDGET // 2).sum()),

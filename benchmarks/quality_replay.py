@@ -6,10 +6,15 @@ step is the same math on one rank as on two) for several batching policies, pair
 
     fixed     random steps of 2 x round(s / 2) samples, s = the default's samples per step (the demo's matching:
               batch 1 x 2 ranks x accumulation; 8 on chitchat, ~44 on hh-rlhf's short dialogues), no LR rule
-    default   evenflow's default (planning="auto" = global at 2 ranks, default buffer), sqrt token LR rule (as the
-              demo's evenflow_sqrt_lr arm: evenflow.TokenLRScaler)
-    default_nolr  the same without the LR rule: the library's own default (the rule is opt-in) and the demo's
-              evenflow arm
+    default   evenflow's default until 2026-12-05 (planning="auto" = global at 2 ranks, default buffer, each
+              round's steps shortest, longest, second shortest, ...), sqrt token LR rule (as the demo's
+              evenflow_sqrt_lr arm: evenflow.TokenLRScaler)
+    default_nolr  the same without the LR rule (the rule is opt-in): the library's default until 2026-12-05
+    default_smooth  the same steps in the library's round order since 2026-12-05, a zigzag (NOTE [ Round order ]):
+              today's default, and the demo's evenflow arm
+
+Every arm of the global planner but default_smooth keeps the alternating round order its rows were trained with
+(``LIBRARY_ORDER``), so the file's rows stay reproducible.
     today     the default before issue 18 (GlobalPlanConfig(mix="cost_order"): cost-neighbour steps, fullest
               first -- length-homogeneous steps in a curriculum order), sqrt token LR rule
     local     planning="local" at the default buffer, sqrt token LR rule
@@ -36,9 +41,8 @@ Controls, which take one thing away (no LR rule):
                      batches (on hh-rlhf the two step counts are equal)
     counts           random samples in the default's per-step sample counts (its steps' token counts not kept):
                      what the default's uneven samples per step cost on their own
-    default_asc      the default's steps, each round's in ascending length order instead of NOTE [ Round order ]'s
-                     shortest-longest alternation (each round is still a sample of the buffer)
-    default_smooth   the same, ascending and descending in turn (a zigzag: consecutive steps alike across rounds)
+    default_asc      default_nolr's steps, each round's in ascending length order instead of the shortest-longest
+                     alternation (each round is still a sample of the buffer)
     default_tent     the same, up over each round's first half and down over its second (each half spans the
                      round's lengths, so a quarter of the epoch that cuts a round in two stays alike)
     default_permuted the default's steps in a random order over the whole epoch: its steps without its timing
@@ -94,13 +98,17 @@ from pathlib import Path
 import numpy as np
 
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
-ORDER_ARMS = {"default_smooth": "zigzag", "default_asc": "asc", "default_tent": "tent", "default_random": "random"}
+ORDER_ARMS = {"default_asc": "asc", "default_tent": "tent", "default_random": "random"}
 """The default's own steps in another order within each round (``_round_order``)."""
+LIBRARY_ORDER = "default_smooth"
+"""The one arm planned with the library's own round order (the zigzag, NOTE [ Round order ], the default since
+2026-12-05). Every other arm of the global planner keeps the order its rows were trained with, the alternation
+the library had before, so its schedules -- and rows -- stay reproducible (``_schedule``)."""
 COMPOSITION = ("H", "H_g", "late", "q_cv", "rough", "timing")
 """A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
                 "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted",
-                "default_nosteer", *ORDER_ARMS)
+                "default_nosteer", *ORDER_ARMS, LIBRARY_ORDER)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
@@ -157,7 +165,15 @@ def _prepare(data: str, seed: int):
 
 
 def _schedule(arm: str, lengths: np.ndarray, seed: int):
-    """The arm's steps as a :class:`~evenflow.sim.Schedule` (one optimizer step per loader step)."""
+    """The arm's steps as a :class:`~evenflow.sim.Schedule` (one optimizer step per loader step): the library's
+    round order for :data:`LIBRARY_ORDER`, the arm's own (``ORDER_ARMS``) or the alternation for the others."""
+    if arm == LIBRARY_ORDER:
+        return _planned(arm, lengths, seed)
+    with _round_order(ORDER_ARMS.get(arm, "alternate"), seed):
+        return _planned(arm, lengths, seed)
+
+
+def _planned(arm: str, lengths: np.ndarray, seed: int):
     from evenflow.planning import GroupingConfig
     from evenflow.sim import Schedule, evenflow_schedule, global_schedule
 
@@ -218,9 +234,6 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
             return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
         finally:
             mix.STEER_TOLERANCE = saved
-    if arm in ORDER_ARMS:  # the default's rounds, each round's steps in length order
-        with _round_order(ORDER_ARMS[arm], seed):
-            return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     if arm == "local":
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed,
@@ -229,22 +242,24 @@ def _schedule(arm: str, lengths: np.ndarray, seed: int):
 
 @contextmanager
 def _round_order(kind: str, seed: int = 0):
-    """The stratified planner with each round's steps in length order instead of NOTE [ Round order ]'s
-    shortest-longest alternation: ``"asc"`` ascending every round, ``"zigzag"`` ascending then descending the next
-    round (consecutive steps alike across round borders too), ``"tent"`` up over the round's first half and down
-    over its second (each half spans the round's lengths), ``"random"`` a permutation seeded by ``seed`` and the
-    round. Each round is still a sample of the buffer: no epoch-long curriculum."""
-    from evenflow.planning.pooled import plan
+    """The stratified planner with each round's steps in another order than NOTE [ Round order ]'s:
+    ``"alternate"`` shortest, longest, second shortest, ... (the library's order until 2026-12-05), ``"asc"``
+    ascending every round, ``"tent"`` up over the round's first half and down over its second (each half spans
+    the round's lengths), ``"random"`` a permutation seeded by ``seed`` and the round. Each round is still a
+    sample of the buffer: no epoch-long curriculum."""
+    from evenflow.planning.pooled import mix, plan
 
     rounds = iter(range(1 << 30))
 
-    def ordered(keys: np.ndarray) -> np.ndarray:
+    def ordered(keys: np.ndarray, round_index: int = 0, grad_accum_steps: int = 1) -> np.ndarray:
         asc = np.lexsort((np.arange(len(keys)), keys))
+        if kind == "alternate":  # the library's order until 2026-12-05 with one micro-batch per rank
+            return mix.round_order(keys, grad_accum_steps=2)
         if kind == "random":
             return np.random.default_rng((seed, next(rounds))).permutation(len(keys))
         if kind == "tent":  # ranks 0, 2, 4, ... up, then ..., 5, 3, 1 down
             return np.concatenate((asc[0::2], asc[1::2][::-1]))
-        return asc[::-1] if kind == "zigzag" and next(rounds) % 2 else asc
+        return asc
 
     saved, plan.round_order = plan.round_order, ordered
     try:

@@ -159,8 +159,8 @@ def test_table_states_goals_and_time_model():
     from evenflow.demo.report import add_time_to_target, summarize_arm, verdict
 
     rec = {"samples": 1, "real": 10, "padded": 10, "cpu_s": 0.1, "loss_tokens": 1, "loss_sum": 1.0}
-    mix = {"fixed": {"H": 1.0, "H_g": 0.98, "late": 0.26, "q_cv": 0.05},
-           "evenflow": {"H": 0.5, "H_g": 0.71, "late": 0.24, "q_cv": 0.02}}
+    mix = {"fixed": {"H": 1.0, "H_g": 0.98, "late": 0.26, "q_cv": 0.05, "rough": 1.01},
+           "evenflow": {"H": 0.5, "H_g": 0.71, "late": 0.24, "q_cv": 0.02, "rough": 0.08}}
     arms = {name: {**summarize_arm(_raw([_chunk(2, 1.0, h1), _chunk(2, 1.0, h2)], [[rec] * 4, [rec] * 4]), 6.0),
                    "composition": mix[name]}
             for name, h1, h2 in (("fixed", 5.0, 4.5), ("evenflow", 4.8, 4.52))}
@@ -170,7 +170,8 @@ def test_table_states_goals_and_time_model():
     for phrase in ("samples/s (median)", "held-out loss / token", "time to target (s)", "never",
                    "than fixed batching (median of 2 ABBA-interleaved rounds", "goal within 0.03: met",
                    "time to quality: evenflow never reached", "time model:", "x 4 accumulation",
-                   "step mix H_g (<= 1: mixed)", "0.71", "longest tenth in last 1/4", "step composition (planned"):
+                   "step mix H_g (<= 1: mixed)", "0.71", "longest tenth in last 1/4", "step composition (planned",
+                   "step-to-step change, rough", "0.08"):
         assert phrase in text, phrase
 
 

@@ -38,6 +38,7 @@ def format_table(arms: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, An
         _row("mean LR", arms, lambda a: f"{a['mean_lr']:.2e}"),
         _row("step mix H_g (<= 1: mixed)", arms, lambda a: f"{a['composition']['H_g']:.2f}"),
         _row("longest tenth in last 1/4", arms, lambda a: f"{a['composition']['late']:.2f}"),
+        _row("step-to-step change, rough", arms, lambda a: f"{a['composition']['rough']:.2f}"),
         _row("held-out loss / token", arms, lambda a: f"{a['heldout_loss']:.3f}"),
         _row("time to target (s)", arms,
              lambda a: "never" if a["time_to_target_s"] is None else f"{a['time_to_target_s']:.1f}"),
@@ -96,7 +97,8 @@ def verdict_lines(arms: Mapping[str, Mapping[str, Any]], v: Mapping[str, Any], *
     lines.append("step composition (planned by the same planners, evenflow.sim.step_composition): H_g = variance of "
                  "the steps' mean log length over that of the same micro-batches dealt to steps at random (<= 1: as "
                  "mixed as random), late = share of the longest tenth of samples trained in the last quarter of the "
-                 "steps (0.25: no curriculum)")
+                 "steps (0.25: no curriculum), rough = how unlike each optimizer step is to the one before (random "
+                 "batches ~1; AdamW pays for a high one)")
     lines.append(f"time model: {v['time_model']}")
     lines += [f"WARNING: {w}" for w in v["warnings"]]
     return lines

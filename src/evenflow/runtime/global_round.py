@@ -98,7 +98,8 @@ class GlobalRound:
     """Plans and moves one round's samples for this rank (see the module docstring)."""
 
     def __init__(self, exchange: MetadataExchange, groups: PlanningGroups, grouping: GroupingConfig,
-                 alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool, moves: Moves | None = None) -> None:
+                 alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool, moves: Moves | None = None,
+                 grad_accum_steps: int = 1) -> None:
         self.exchange = exchange
         """World-wide exchange (flat or two-level): exchange B and the fingerprints."""
         self.groups = groups
@@ -112,7 +113,7 @@ class GlobalRound:
         self.rank = exchange.topology.rank
         self.extra_names = tuple(grouping.extra_budgets)
         self.config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
-                                       max_wait_rounds=alignment.max_wait_rounds)
+                                       max_wait_rounds=alignment.max_wait_rounds, grad_accum_steps=grad_accum_steps)
         self.moves = moves if moves is not None else Moves()
         """The loader's count of what this rank sent to peers (``loader.moves``)."""
         self.progress = EpochProgress()

@@ -103,7 +103,9 @@ class DynamicBatchLoader:
       ``"drop"`` (removed, counted in :attr:`dropped`).
     - ``pad_to_multiple_of``: round each batch's padded length up (the planner costs the rounded shape).
     - ``max_steps_per_round``: most batches one alignment round emits per rank.
-    - ``max_wait_rounds``: rounds after which a buffered sample is prioritized (bounded waiting).
+    - ``max_wait_rounds``: rounds after which a buffered sample is prioritized. Not the wait's bound: that is
+      ``max_wait_rounds + buffer_size - 1`` rounds under local planning and ``max_wait_rounds`` plus the
+      samples buffered over all ranks under global (one old step leaves a round; NOTE [ Bounded waiting ]).
     - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window.
     - ``length_fn``: ``sample -> int`` cost length (default ``len(sample["input_ids"])``).
     - ``resources_fn``: ``sample -> {name: int}`` for ``extra_budgets``.
@@ -561,7 +563,8 @@ class DynamicBatchLoader:
             return None
         from .global_round import GlobalRound  # imports scipy only when asked for
         return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
-                           self._payloads, pair_keys=self.streams.iterable, moves=self.moves)
+                           self._payloads, pair_keys=self.streams.iterable, moves=self.moves,
+                           grad_accum_steps=self.config.grad_accum_steps)
 
     def _rebalancer(self):
         if not self.config.balance:

@@ -75,15 +75,18 @@ def global_schedule(lengths: np.ndarray, *, world_size: int, grouping: GroupingC
                     alignment: AlignmentConfig = AlignmentConfig(), time_cost: TimeCost | None = None,
                     seed: int = 0, extra: Mapping[str, np.ndarray] | None = None, ranks_per_node: int | None = None,
                     keep_home_tolerance: float | None = None, mix: str = "stratified",
-                    mix_tolerance: float = GlobalPlanConfig.mix_tolerance, name: str = "evenflow_global") -> Schedule:
+                    mix_tolerance: float = GlobalPlanConfig.mix_tolerance, grad_accum_steps: int = 1,
+                    name: str = "evenflow_global") -> Schedule:
     """One epoch of global planning over ``lengths`` (sample i has ``lengths[i]`` tokens). Join mode.
 
-    ``mix="cost_order"`` plans as before issue 18 (:class:`~evenflow.planning.GlobalPlanConfig`), for comparison."""
+    ``mix="cost_order"`` plans as before issue 18 (:class:`~evenflow.planning.GlobalPlanConfig`), for comparison.
+    ``grad_accum_steps``: the loader's; it orders each round's steps (NOTE [ Round order ]), and consecutive
+    ``grad_accum_steps`` loader steps form an optimizer step (``step_composition(..., grad_accum_steps=)``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
                               max_wait_rounds=alignment.max_wait_rounds, time_cost=time_cost or TimeCost(),
                               ranks_per_node=ranks_per_node, keep_home_tolerance=keep_home_tolerance, mix=mix,
-                              mix_tolerance=mix_tolerance)
+                              mix_tolerance=mix_tolerance, grad_accum_steps=grad_accum_steps)
     extra = {k: np.asarray(v, dtype=np.int64) for k, v in (extra or {}).items()}
     buffers = _Buffers(shard(len(lengths), world_size, seed=seed), lengths, alignment, grouping.token_budget)
     steps: list[list[list[int]]] = []

@@ -26,7 +26,10 @@ NOTE [ A round emits a sample of the buffer ]
     length, cut into T equal chunks, one step from each at offset ``frac(round * golden ratio)`` -- so every
     stratum goes at its own rate and, over rounds, every position in a chunk is hit. Two corrections:
     * bounded waiting: the step holding the oldest item goes once that item has waited ``max_wait_rounds``
-      (it replaces its own chunk's pick), so NOTE [ Choosing whole steps ]'s bound holds;
+      (it replaces its own chunk's pick), so NOTE [ Choosing whole steps ]'s bound holds. One a round, not
+      every old one: forcing up to T old steps (oldest first, steering around them) cut the longest wait on
+      chitchat x8 (budget 16,384, W = 2) from 107 rounds to 67 but let the deferred strata flood the rounds
+      (q_cv 0.020 -> 0.286; 0.016 -> 0.496 at W = 8);
     * steering: groups are lumpy (a group of 300 tiny chats is one pick), so a round's mean sample length
       drifts from the epoch's. When the round's picks are off the mean of everything seen so far (emitted
       before, per ``EpochProgress``, and buffered) by more than ``STEER_TOLERANCE`` (relative), picks are
@@ -44,15 +47,20 @@ NOTE [ A round emits a sample of the buffer ]
     hh-rlhf), so the steering stays (benchmarks/results/2026-12-05_what-the-default-trains.md, fourth session).
 
 NOTE [ Round order ]
-    The emitted steps run shortest-longest-second shortest-... by length key, not costliest first: no
-    within-round curriculum, and any k consecutive steps (an accumulation window that straddles rounds)
-    pair short with long.
-    Known cost: with one micro-batch per rank (no accumulation) it also makes every optimizer step unlike
-    the one before (``rough`` ~1.7 H in evenflow.sim.composition, the most its steps allow), and AdamW pays
-    for that. The same steps in a zigzag order (ascending one round, descending the next; rough ~0.1-0.4 H)
-    trained 0.021 nats/token better on hh-rlhf (16 seeds) and chitchat (32), but turn each round into a
-    length ramp, so the epoch's quarters differ wherever an epoch is under ~160 steps (q_cv up to 0.18 at
-    W = 8). Open (benchmarks/results/2026-12-05_what-the-default-trains.md).
+    With one micro-batch per rank (``grad_accum_steps=1``) a round's steps run in length order, ascending in
+    even rounds and descending in odd ones (a zigzag): each optimizer step is like the one before, and the
+    rounds meet at the same end. Example, keys [5, 1, 3]: round 0 runs 1, 3, 5, round 1 runs 5, 3, 1.
+    With accumulation they run shortest, longest, second shortest, ... so every accumulation window (k
+    consecutive steps, also across a round's border) pairs short with long.
+    Why: under AdamW a step unlike the one before costs. The alternation with one micro-batch per rank makes
+    every step unlike the last (``rough`` ~1.7H in evenflow.sim.composition, the most its steps allow), the
+    zigzag ~0.1-0.4H. The replay (budget 4,096, W = 2) trained the same steps better in the zigzag, paired by
+    seed (nats/token, 95 % interval): hh_rlhf_full -0.021 [-0.031, -0.013] (16 seeds), chitchat -0.021 [-0.051,
+    +0.008] (32), hh-rlhf -0.005 [-0.012, +0.003] (8); a long chitchat epoch the same, +0.002 (6)
+    (benchmarks/results/2026-12-05_what-the-default-trains.md).
+    Known cost: each round is a length ramp, so where a quarter of the epoch holds only a round or two the
+    quarters' mean lengths differ (q_cv up to 0.18 at budget 16,384, W = 8, under ~160 steps), a proxy the
+    held-out loss overrules.
 """
 
 from __future__ import annotations
@@ -200,13 +208,19 @@ def select_steps(stats: np.ndarray, oldest: np.ndarray, steps: int, *, progress:
     return pick
 
 
-def round_order(keys: np.ndarray) -> np.ndarray:
-    """Order of a round's steps by their length keys: lowest, highest, second lowest, ... (NOTE [ Round order ]).
+def round_order(keys: np.ndarray, round_index: int = 0, grad_accum_steps: int = 1) -> np.ndarray:
+    """Order of a round's steps by their length keys (NOTE [ Round order ]): with ``grad_accum_steps`` 1
+    ascending in even rounds and descending in odd ones; with accumulation lowest, highest, second lowest, ...
 
-    >>> round_order(np.array([5.0, 1.0, 3.0, 9.0, 7.0])).tolist()
+    >>> keys = np.array([5.0, 1.0, 3.0, 9.0, 7.0])
+    >>> round_order(keys).tolist(), round_order(keys, 1).tolist()
+    ([1, 2, 0, 4, 3], [3, 4, 0, 2, 1])
+    >>> round_order(keys, grad_accum_steps=2).tolist()
     [1, 3, 2, 4, 0]
     """
     srt = np.lexsort((np.arange(len(keys)), keys))
+    if grad_accum_steps == 1:
+        return srt[::-1] if round_index % 2 else srt
     k = len(keys)
     inter = np.empty(k, dtype=np.int64)
     inter[0::2] = srt[:(k + 1) // 2]

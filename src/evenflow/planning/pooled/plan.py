@@ -38,8 +38,8 @@ How a round is planned (every step is a function of the input only, ties broken 
    :func:`round_target`), and with fewer than ``T * W`` groups the costliest are split until every slot has work.
    ``mix="cost_order"`` is the planner before issue 18: blocks of W cost neighbours, the fullest chosen first
    (NOTE [ Choosing whole steps ]) -- steps as homogeneous in length as their costs, in a curriculum order.
-3. **Step order**: shortest-longest alternating by length key (NOTE [ Round order ]); ``cost_order``: costliest
-   step first.
+3. **Step order**: by length key, ascending in even rounds and descending in odd ones; shortest-longest
+   alternating with ``grad_accum_steps`` > 1 (NOTE [ Round order ]); ``cost_order``: costliest step first.
 4. **Least movement.** Within a step the W groups are interchangeable: each goes to a rank by a
    maximum-weight matching on bytes already there (same node first, then same rank) -- exact
    (``scipy.optimize.linear_sum_assignment``) up to ``EXACT_MATCH_MAX_RANKS`` ranks; beyond, a sparse greedy
@@ -117,6 +117,9 @@ class GlobalPlanConfig:
     mix_tolerance: float = 0.02
     """Groups whose time costs differ by at most this fraction share a band and mix (NOTE [ Stratified steps ]):
     the per-step imbalance it may add. 0 keeps only exact cost ties interchangeable."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (the loader's ``grad_accum_steps``): how the stratified mix orders a
+    round's steps (NOTE [ Round order ])."""
 
     def __post_init__(self) -> None:
         if self.mix not in ("stratified", "cost_order"):
@@ -130,7 +133,7 @@ class GlobalPlanConfig:
                              f"{self.keep_home_tolerance!r}")
         if not isinstance(self.grouping, GroupingConfig):
             raise ValueError(f"grouping must be a GroupingConfig, got {type(self.grouping).__name__}")
-        for name in ("max_steps", "max_wait_rounds"):
+        for name in ("max_steps", "max_wait_rounds", "grad_accum_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -353,18 +356,19 @@ def _choose_stratified(table: _Table, stats: tuple[np.ndarray, ...], lengths: np
 
 
 def _compose(groups: list[np.ndarray], times: np.ndarray, keys: np.ndarray, lengths: np.ndarray, world: int,
-             steps: int, tolerance: float, *, dealt: bool) -> np.ndarray:
+             steps: int, config: GlobalPlanConfig, round_index: int, *, dealt: bool) -> np.ndarray:
     """Slot of each group for the stratified mix: steps (``dealt``: W consecutive groups; otherwise formed here by
     cost bands) in NOTE [ Round order ]. Fewer groups than slots (a drain that could not split): the IDLE
     slots spread over the steps (``_deal``)."""
     if len(groups) < steps * world:
         return _deal(groups, times, world, steps)
-    blocks = (np.arange(len(groups)).reshape(-1, world) if dealt else band_steps(times, keys, world, tolerance))
+    blocks = (np.arange(len(groups)).reshape(-1, world) if dealt
+              else band_steps(times, keys, world, config.mix_tolerance))
     member = np.concatenate([groups[k] for k in blocks.ravel()])
     step_of = np.repeat(np.arange(steps), [sum(len(groups[k]) for k in b) for b in blocks])
     step_keys = length_keys(lengths, member, step_of, steps)
     slot = np.empty(len(groups), dtype=np.int64)
-    slot[blocks[round_order(step_keys)].ravel()] = np.arange(len(groups))
+    slot[blocks[round_order(step_keys, round_index, config.grad_accum_steps)].ravel()] = np.arange(len(groups))
     return slot
 
 
@@ -411,7 +415,8 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     times = config.time_cost.group_times(lens, group_of, len(groups))
     if stratified:
         keys = length_keys(ls, member, group_of, len(groups))
-        slot_of_group = _compose(groups, times, keys, ls, world, steps, config.mix_tolerance, dealt=dealt)
+        slot_of_group = _compose(groups, times, keys, ls, world, steps, config, (progress or EpochProgress()).round,
+                                 dealt=dealt)
     else:
         slot_of_group = _deal(groups, times, world, steps)
     slot_of_item = slot_of_group[group_of]
