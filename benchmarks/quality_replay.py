@@ -12,8 +12,9 @@ step is the same math on one rank as on two) for several batching policies, pair
     default_nolr  the same without the LR rule (the rule is opt-in): the library's default until 2026-12-05
     default_smooth  the same steps in the library's round order since 2026-12-05, a zigzag (NOTE [ Round order ]):
               today's default, and the demo's evenflow arm
+    default_smooth_lr  the same with the sqrt token LR rule (the demo's sqrt LR arm since 2026-12-05)
 
-Every arm of the global planner but default_smooth keeps the alternating round order its rows were trained with
+Every arm of the global planner but those two keeps the alternating round order its rows were trained with
 (``LIBRARY_ORDER``), so the file's rows stay reproducible.
     today     the default before issue 18 (GlobalPlanConfig(mix="cost_order"): cost-neighbour steps, fullest
               first -- length-homogeneous steps in a curriculum order), sqrt token LR rule
@@ -100,17 +101,19 @@ import numpy as np
 ARMS = ("fixed", "default", "today", "local", "default_nolr")
 ORDER_ARMS = {"default_asc": "asc", "default_tent": "tent", "default_random": "random"}
 """The default's own steps in another order within each round (``_round_order``)."""
-LIBRARY_ORDER = "default_smooth"
-"""The one arm planned with the library's own round order (the zigzag, NOTE [ Round order ], the default since
+LIBRARY_ORDER = ("default_smooth", "default_smooth_lr")
+"""The arms planned with the library's own round order (the zigzag, NOTE [ Round order ], the default since
 2026-12-05). Every other arm of the global planner keeps the order its rows were trained with, the alternation
 the library had before, so its schedules -- and rows -- stay reproducible (``_schedule``)."""
 COMPOSITION = ("H", "H_g", "late", "q_cv", "rough", "timing")
 """A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
                 "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted",
-                "default_nosteer", *ORDER_ARMS, LIBRARY_ORDER)
+                "default_nosteer", *ORDER_ARMS, *LIBRARY_ORDER)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
+LR_RULE = ("default", "today", "local", "default_smooth_lr")
+"""Arms trained with the sqrt token LR rule (``evenflow.TokenLRScaler``'s, as the demo's sqrt LR arm)."""
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
             ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"),
@@ -119,7 +122,8 @@ CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("defaul
             ("default_random", "default_nolr"), ("default_random", "shuffled"), ("default_smooth", "default_random"),
             ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"),
             ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"),
-            ("default_nosteer", "default_nolr"), ("default_nosteer", "fixed_matched"))
+            ("default_nosteer", "default_nolr"), ("default_nosteer", "fixed_matched"),
+            ("default_smooth_lr", "default_smooth"), ("default_smooth_lr", "today"), ("default_smooth_lr", "default"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr)."""
@@ -167,7 +171,7 @@ def _prepare(data: str, seed: int):
 def _schedule(arm: str, lengths: np.ndarray, seed: int):
     """The arm's steps as a :class:`~evenflow.sim.Schedule` (one optimizer step per loader step): the library's
     round order for :data:`LIBRARY_ORDER`, the arm's own (``ORDER_ARMS``) or the alternation for the others."""
-    if arm == LIBRARY_ORDER:
+    if arm in LIBRARY_ORDER:
         return _planned(arm, lengths, seed)
     with _round_order(ORDER_ARMS.get(arm, "alternate"), seed):
         return _planned(arm, lengths, seed)
@@ -299,7 +303,7 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
     collate = PadCollate(pad_token_id=0)
     for k, step in enumerate(steps):
         factor = schedule_factor(k, len(steps), config)
-        if arm in ("default", "today", "local"):  # the demo's rule: sqrt(tokens / mean) on variable batches
+        if arm in LR_RULE:  # the demo's rule: sqrt(tokens / mean) on variable batches
             factor *= (tokens[k] / reference) ** 0.5
         for group in opt.param_groups:
             group["lr"] = base_lr * factor

@@ -88,7 +88,7 @@ def test_order_arms_reorder_the_defaults_steps_only(replay, lengths):
     from evenflow.planning.pooled import mix, plan
 
     default = _steps(replay._schedule("default", lengths, seed=1))
-    for arm in (*replay.ORDER_ARMS, replay.LIBRARY_ORDER, "default_permuted"):
+    for arm in (*replay.ORDER_ARMS, *replay.LIBRARY_ORDER, "default_permuted"):
         steps = _steps(replay._schedule(arm, lengths, seed=1))
         assert sorted(map(sorted, steps)) == sorted(map(sorted, default)), arm
         assert steps != default, arm
@@ -101,7 +101,7 @@ def test_the_library_order_arm_is_the_library_default_and_the_others_keep_theirs
     from evenflow.sim import global_schedule
 
     library = _steps(global_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=4096), seed=1))
-    assert _steps(replay._schedule(replay.LIBRARY_ORDER, lengths, seed=1)) == library
+    assert all(_steps(replay._schedule(arm, lengths, seed=1)) == library for arm in replay.LIBRARY_ORDER)
     assert _steps(replay._schedule("default_nolr", lengths, seed=1)) != library
 
 
