@@ -395,6 +395,7 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
         steps = num_steps or 0
         return GlobalRoundPlan(steps, np.empty(0, np.int64), np.empty(0, np.int64), np.zeros((steps, world)))
     stratified = config.mix == "stratified"
+    progress = progress or EpochProgress()
     table = _group_table(ls, src, config.grouping, ext, config.keep_home_tolerance)
     stats = _group_stats(table, ls, ages, ext, config.time_cost)
     steps = num_steps or _num_steps(len(table), int((stats[0] >= config.max_wait_rounds).sum()), n, world,
@@ -403,7 +404,7 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     if final and len(table) <= steps * world:
         groups = _drain_groups(ls, src, ext, config.grouping, table, steps * world, config.keep_home_tolerance)
     elif stratified and steps * world < len(table):
-        groups = _choose_stratified(table, stats, ls, steps, world, config, progress or EpochProgress(), final)
+        groups = _choose_stratified(table, stats, ls, steps, world, config, progress, final)
         dealt = True
     else:
         groups = _choose(table, stats, steps, world, config.max_wait_rounds)
@@ -415,8 +416,7 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     times = config.time_cost.group_times(lens, group_of, len(groups))
     if stratified:
         keys = length_keys(ls, member, group_of, len(groups))
-        slot_of_group = _compose(groups, times, keys, ls, world, steps, config, (progress or EpochProgress()).round,
-                                 dealt=dealt)
+        slot_of_group = _compose(groups, times, keys, ls, world, steps, config, progress.round, dealt=dealt)
     else:
         slot_of_group = _deal(groups, times, world, steps)
     slot_of_item = slot_of_group[group_of]
