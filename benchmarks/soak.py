@@ -502,7 +502,7 @@ def check(cfg: Config, per_rank: list[dict]) -> dict:
 
 IDLE_ERROR = ("must emit an IDLE batch but the first", "over token_budget=", "idle_sample=")
 """What the loader's error says when no sample within the budget can be an IDLE placeholder
-(``DynamicBatchLoader._first_within_budget``); a peer's PeerError carries the same message."""
+(``evenflow.runtime.loader.idle.IdleTemplate``); a peer's PeerError carries the same message."""
 
 
 def expects_idle_error(cfg: Config) -> bool:

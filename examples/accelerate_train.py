@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 
 import evenflow
-from evenflow.integrations import StepMetrics
+from evenflow.integrations import StepMetrics, destroy_process_groups
 from evenflow.integrations.accelerate import LoaderCheckpoint, device_batches, sync_window
 from _tiny import RandomChat, tiny_llama
 
@@ -77,9 +77,12 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save-at", type=int, default=6)
     cli = parser.parse_args()
-    out = train(resume=cli.resume, save_at=cli.save_at)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"done: {len(out['windows'])} optimizer steps in this run")
+    try:
+        out = train(resume=cli.resume, save_at=cli.save_at)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"done: {len(out['windows'])} optimizer steps in this run")
+    finally:
+        destroy_process_groups()  # the loader's gloo group too, while the interpreter is alive
 
 
 if __name__ == "__main__":

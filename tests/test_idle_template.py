@@ -21,7 +21,7 @@ def test_placeholder_is_the_first_sample_within_the_budget():
     data = [_sample(600), _sample(700), _sample(12), _sample(30)]
     loader = evenflow.DynamicBatchLoader(data, token_budget=512, oversize="alone", shuffle=False)
     try:
-        assert len(loader._idle_template()["input_ids"]) == 12
+        assert len(loader._idle.template()["input_ids"]) == 12
     finally:
         loader.close()
 
@@ -30,6 +30,6 @@ def test_no_sample_within_the_budget_is_a_clear_error_naming_idle_sample():
     loader = evenflow.DynamicBatchLoader([_sample(600), _sample(700)], token_budget=512, oversize="alone")
     try:
         with pytest.raises(RuntimeError, match=r"token_budget=512.*idle_sample="):
-            loader._idle_template()
+            loader._idle.template()
     finally:
         loader.close()

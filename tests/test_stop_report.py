@@ -13,7 +13,8 @@ import time
 
 import evenflow
 from evenflow.planning.alignment import RankPlanner, RankReport
-from evenflow.runtime import collator, loader as loader_module
+from evenflow.runtime import collator
+from evenflow.runtime.loader import loader as loader_module
 
 from loader_scenarios import BUDGET, TokenDataset
 

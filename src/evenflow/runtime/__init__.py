@@ -1,8 +1,8 @@
 """Runtime at the DataLoader boundary (public PyTorch APIs only).
 
-- loader.py    -- DynamicBatchLoader: epochs, state, IDLE template, the trainer-facing iterator
-- loader_config.py / loader_state.py / loader_stream.py -- its argument checks and LoaderConfig, the checks
-                  of a saved state against this loader, and the keyed sample streams it feeds the collator
+- loader/      -- DynamicBatchLoader (loader.py: epochs, the trainer-facing iterator, state) and what it
+                  delegates: config.py (argument checks, LoaderConfig), state.py (a saved state checked against
+                  this loader), keys.py (the keyed sample streams it feeds the collator), idle.py (IDLE batches)
 - collator.py  -- the per-epoch collation thread: fill, round (two fixed exchanges), collate, hand off
 - calls.py     -- its calls into user code on a bounded helper thread; dead DataLoader workers seen at once
 - transfer.py  -- how a sample moves to another rank: its tensors as their own bytes, the rest pickled
@@ -15,7 +15,8 @@
 - collate.py   -- PadCollate (right-padded rows) and FlatCollate (one varlen row)
 - collate_extras.py -- the other keys of a batch: media rows, audio clips, metadata (never dropped silently)
 - shard_check.py -- sharding mistakes caught at the first round (a dataset split twice, unsplit streams)
-- epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``), via evenflow.sim
+- epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``, PlannedLengths), via
+                  evenflow.sim
 - step_info.py -- StepInfo, pop_step_info, scale_loss
 """
 

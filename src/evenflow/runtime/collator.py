@@ -392,7 +392,7 @@ class EpochPipeline(threading.Thread):
         self.handoff.wait_for_room(1 if confirming else self.depth)  # confirming: the trainer took every batch
         started = time.perf_counter()
         stop = self.handoff.stop_state()  # one read: see close(exc)'s stop and error both, or neither
-        failure = self.error if self.error is not None else stop.trainer_error
+        failure = self._reported_failure(stop.trainer_error)
         groups = self.planner.plan_local() if failure is None else []
         table = self.exchange.all_gather(self._report(groups, failure, stop).to_array())
         decision = decide_round(table, self.planner.alignment)
@@ -433,8 +433,9 @@ class EpochPipeline(threading.Thread):
             self.ending = True
         return True
 
-    def _local_failure(self) -> BaseException | None:
-        return self.error if self.error is not None else self.handoff.trainer_error
+    def _reported_failure(self, trainer_error: BaseException | None) -> BaseException | None:
+        """What this rank reports as its failure: its own loader error first, else the trainer's (``close(exc)``)."""
+        return self.error if self.error is not None else trainer_error
 
     def _report(self, groups: list, failure: BaseException | None, stop: StopState) -> RankReport:
         ok = failure is None
@@ -475,7 +476,7 @@ class EpochPipeline(threading.Thread):
 
     def _error_round(self, error_ranks: tuple) -> None:
         """The one extra exchange of an error round (NOTE [ Faults in the round sequence ])."""
-        failure = self._local_failure()
+        failure = self._reported_failure(self.handoff.trainer_error)
         index = sample_of(self.error_key) if failure is self.error else None
         mine = encode_detail(failure if self._rank() in error_ranks else None, index,
                              trainer=failure is not None and failure is not self.error)

@@ -34,9 +34,50 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .loader_config import LoaderConfig
+from .loader.config import LoaderConfig
 
-__all__ = ["planned_steps", "plan_coverage", "dataset_lengths", "as_plan_lengths", "is_hf_dataset"]
+__all__ = ["PlannedLengths", "planned_steps", "plan_coverage", "dataset_lengths", "as_plan_lengths", "is_hf_dataset"]
+
+
+class PlannedLengths:
+    """A loader's ``lengths=``: checked once, each epoch's step count simulated once, each batch checked against it.
+
+    ``steps(epoch)`` is the epoch's batches per rank run from its start; ``mismatch(...)`` the error for a batch
+    whose samples the loader measured at other lengths than these (``None`` when they agree).
+    """
+
+    def __init__(self, lengths: Sequence[int] | Mapping[str, Sequence[int]], *, num_samples: int,
+                 config: LoaderConfig, world_size: int, planning: str, group_size: int, iterable: bool) -> None:
+        if iterable:
+            raise ValueError("lengths= plans a map-style dataset's epochs; an IterableDataset has no per-index "
+                             "lengths (drop lengths=)")
+        why = plan_coverage(join=config.alignment.join, oversize=config.grouping.oversize, world_size=world_size,
+                            planning=planning, group_size=group_size, iterable=False)
+        if why:
+            raise ValueError(f"lengths= cannot plan this loader's epochs: {why}; drop lengths= (len() is then an "
+                             "upper bound)")
+        self.tokens, self.extra = as_plan_lengths(lengths, num_samples, tuple(config.grouping.extra_budgets))
+        self.config = config
+        self.world_size = world_size
+        self.planning = planning
+        self._steps: dict[int, int] = {}  # epoch -> planned steps, simulated at the first ask
+
+    def steps(self, epoch: int) -> int:
+        if epoch not in self._steps:
+            self._steps[epoch] = planned_steps(self.tokens, self.extra, self.config, world_size=self.world_size,
+                                               planning=self.planning, epoch=epoch)
+        return self._steps[epoch]
+
+    def mismatch(self, sample_ids: Sequence[int], measured: int, *, rank: int, epoch: int) -> ValueError | None:
+        """A batch's samples must have the lengths the plan used; else len() and a trainer's schedule are wrong."""
+        given = int(self.tokens[list(sample_ids)].sum()) if sample_ids else 0
+        if given == measured:
+            return None
+        return ValueError(
+            f"rank {rank}, samples {list(sample_ids)}: lengths= gives them {given} tokens but the loader measured "
+            f"{measured}; the planned epoch length ({self._steps.get(epoch)} steps, len()) is wrong. Pass the "
+            "lengths the loader measures (length_fn, default len(sample['input_ids']), after any truncation), e.g. "
+            "evenflow.runtime.epoch_plan.dataset_lengths(dataset)")
 
 
 def as_plan_lengths(lengths: Sequence[int] | Mapping[str, Sequence[int]], num_samples: int,

@@ -56,7 +56,7 @@ NOTE [ Round order ]
     every step unlike the last (``rough`` ~1.7H in evenflow.sim.composition, the most its steps allow), the
     zigzag ~0.1-0.4H. The replay (budget 4,096, W = 2) trained the same steps better in the zigzag, paired by
     seed (nats/token, 95 % interval): hh_rlhf_full -0.021 [-0.031, -0.013] (16 seeds), chitchat -0.021 [-0.051,
-    +0.008] (32), hh-rlhf -0.005 [-0.012, +0.003] (8); a long chitchat epoch the same, +0.002 (6)
+    +0.008] (32), hh-rlhf -0.007 [-0.011, -0.002] (16); a long chitchat epoch the same, +0.002 (6)
     (benchmarks/results/2026-12-05_what-the-default-trains.md).
     Known cost: each round is a length ramp, so where a quarter of the epoch holds only a round or two the
     quarters' mean lengths differ (q_cv up to 0.18 at budget 16,384, W = 8, under ~160 steps), a proxy the

@@ -21,22 +21,23 @@ from functools import partial
 
 from torch.utils.data import Dataset
 
-from ..planning.alignment import NO_VALUE, RankPlanner, config_fingerprint
-from ..planning.grouping import CostModel, OversizePolicy
-from ..planning.loss import LossTokenRule
-from .collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
-from .comm import resolve_topology
-from .faults import sample_of
-from .loader_config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
-from .loader_state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
-from .loader_stream import _carried, _continued, _fetch_error, _Keyed, _Numbered
-from .planning import PlanningChoice, setup_planning
-from .resume import key_order
-from .epoch_plan import as_plan_lengths, plan_coverage, planned_steps
-from .shard_check import content_print
-from .source import StreamOptions, Streams, shard_indices
-from .step_info import StepInfo, UsageCheck, UsageTracker
-from .transfer import Moves
+from ...planning.alignment import NO_VALUE, RankPlanner, config_fingerprint
+from ...planning.grouping import CostModel, OversizePolicy
+from ...planning.loss import LossTokenRule
+from ..collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
+from ..comm import resolve_topology
+from ..faults import sample_of
+from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
+from .state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
+from .idle import IdleTemplate
+from .keys import _carried, _continued, _fetch_error, _Keyed, _Numbered
+from ..planning import PlanningChoice, setup_planning
+from ..resume import key_order
+from ..epoch_plan import PlannedLengths
+from ..shard_check import content_print
+from ..source import StreamOptions, Streams, shard_indices
+from ..step_info import StepInfo, UsageCheck, UsageTracker
+from ..transfer import Moves
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 
@@ -44,8 +45,6 @@ logger = logging.getLogger("evenflow")
 
 # How long close() waits for the collation thread beyond the exchange timeout before giving up on it.
 _JOIN_MARGIN_S = 10.0
-# How many dataset indices an IDLE placeholder search may read (map-style, only when no sample fit the budget).
-_TEMPLATE_SCAN = 1024
 # Inside `with loader:`, how long a closed iterator waits for __exit__ to say whether an exception ended
 # the loop (then peers raise PeerError) before it reports a plain STOP (NOTE [ Early stops ]).
 _EXIT_GRACE_S = 2.0
@@ -77,24 +76,15 @@ class DynamicBatchLoader:
     stay in shared memory while buffered, so /dev/shm must hold the buffered large tensors plus
     ``prefetch_factor x num_workers`` in-flight samples.
 
-    Arguments (keyword-only after ``dataset``; there is no ``batch_size``: the budget sizes batches):
+    Arguments (keyword-only after ``dataset``; there is no ``batch_size``: the budget sizes batches). They come
+    in seven concerns, in this order in the signature; at construction they become one frozen
+    :class:`LoaderConfig` with a part per concern that decides batches (``grouping``, ``alignment``, ...),
+    checked in the order listed here.
 
-    - ``dataset``: map-style ``Dataset`` (sharded across ranks by the loader) or ``IterableDataset`` (each rank's
-      own stream). Samples are mappings with ``input_ids`` and optional ``labels``.
+    *What one batch may hold* (:class:`~evenflow.planning.grouping.GroupingConfig`):
+
     - ``token_budget``: the cost one batch may have on one rank: padded tokens (rows x longest) under
       ``cost="padded"``, summed tokens under ``cost="summed"``.
-    - ``collate_fn``: turns a list of samples into a batch dict; default :class:`PadCollate` (padded) or
-      :class:`FlatCollate` (summed). The loader adds the StepInfo after it.
-    - ``num_workers``, ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``multiprocessing_context``,
-      ``worker_init_fn``: as in ``torch.utils.data.DataLoader``, for the workers that run the dataset one sample
-      at a time.
-    - ``join``: ``True`` -- each sample of the epoch exactly once across ranks, ranks that run dry yield IDLE
-      batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
-    - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
-    - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM;
-      the default policy mixes lengths within each step and emits no length curriculum at any size -- README,
-      "What the default trains").
-    - ``depth``: ready batches kept ahead of the trainer.
     - ``cost``: ``"padded"`` or ``"summed"`` (padding-free; switches the default collate to ``FlatCollate``).
     - ``max_samples``: cap on samples per batch (``None``: no cap).
     - ``extra_budgets``: further per-batch budgets, e.g. ``{"num_patches": 4096}``; values come from the sample
@@ -102,28 +92,33 @@ class DynamicBatchLoader:
     - ``oversize``: a sample over a budget on its own: ``"error"`` (default), ``"alone"`` (its own batch) or
       ``"drop"`` (removed, counted in :attr:`dropped`).
     - ``pad_to_multiple_of``: round each batch's padded length up (the planner costs the rounded shape).
-    - ``max_steps_per_round``: most batches one alignment round emits per rank.
-    - ``max_wait_rounds``: rounds after which a buffered sample is prioritized. Not the wait's bound: that is
-      ``max_wait_rounds + buffer_size - 1`` rounds under local planning and ``max_wait_rounds`` plus the
-      samples buffered over all ranks under global (one old step leaves a round; NOTE [ Bounded waiting ]).
-    - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window.
     - ``length_fn``: ``sample -> int`` cost length (default ``len(sample["input_ids"])``).
     - ``resources_fn``: ``sample -> {name: int}`` for ``extra_budgets``.
-    - ``loss_tokens``: :class:`~evenflow.LossTokenRule` -- which labels count as supervised (shift, ignore index).
+
+    *How a batch is built*:
+
+    - ``collate_fn``: turns a list of samples into a batch dict; default :class:`PadCollate` (padded) or
+      :class:`FlatCollate` (summed). The loader adds the StepInfo after it.
     - ``pad_token_id``: padding id for the default collate.
-    - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
-    - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
-    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``)
-      and on every call into user code on the collation thread (``collate_fn``, ``length_fn``,
-      ``resources_fn``, ``__getitem__`` with ``num_workers=0``); the rank then raises naming the call and the
-      sample, and its peers raise ``PeerError`` in the same round. A worker that dies (the OOM killer) is
-      reported within about a second. Must be below ``timeout`` so the report reaches peers first (with
-      ``num_workers=0`` a larger one is cut to ``timeout / 2``); raise both for slow decoding.
-    - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams).
-    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round). Under
-      ``balance=True`` and ``planning="global"`` a sample may train on another rank: it moves as its tensors'
-      own bytes plus a pickle of the rest (:attr:`moves` counts them; NOTE [ Moved samples ] in transfer.py;
-      the ranks of a job must trust each other's pickles, README "Trust model").
+    - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams;
+      evenflow.runtime.loader.idle).
+
+    *The epoch*:
+
+    - ``dataset``: map-style ``Dataset`` (sharded across ranks by the loader) or ``IterableDataset`` (each rank's
+      own stream). Samples are mappings with ``input_ids`` and optional ``labels``.
+    - ``join``: ``True`` -- each sample of the epoch exactly once across ranks, ranks that run dry yield IDLE
+      batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
+    - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
+    - ``lengths``: every sample's length as the loader measures it (``length_fn``, default ``len(input_ids)``),
+      known before the epoch -- a dataset column, or :func:`evenflow.runtime.epoch_plan.dataset_lengths` (an HF
+      dataset's Arrow offsets, or one pass); a mapping ``{"tokens": ..., name: ...}`` adds ``extra_budgets``
+      values. ``len(loader)`` is then each epoch's exact step count, before and during it (NOTE [ The planned
+      epoch length ] in epoch_plan.py: what it covers and costs); every batch checks the lengths it was planned
+      with. Map-style datasets only.
+
+    *Planning across ranks* (:class:`~evenflow.planning.alignment.AlignmentConfig` and the policy):
+
     - ``planning``: ``"local"`` (each rank groups its own buffer), ``"global"`` (a planning group's ranks group
       the union of their buffers' metadata; subsumes ``balance``) or ``"auto"`` (default): ``"global"`` when
       2 <= world size <= 64 (or ``planning_group`` is given) and ``balance=False``, else ``"local"`` --
@@ -134,32 +129,70 @@ class DynamicBatchLoader:
       tightest, each mixing length strata, in no length curriculum; what they trained in the demo's replay
       (not yet as well as random batches everywhere) is in NOTE [ The default planning policy ] and the
       README, "What the default trains".
-    - ``lengths``: every sample's length as the loader measures it (``length_fn``, default ``len(input_ids)``),
-      known before the epoch -- a dataset column, or :func:`evenflow.runtime.epoch_plan.dataset_lengths` (an HF
-      dataset's Arrow offsets, or one pass); a mapping ``{"tokens": ..., name: ...}`` adds ``extra_budgets``
-      values. ``len(loader)`` is then each epoch's exact step count, before and during it (NOTE [ The planned
-      epoch length ] in epoch_plan.py: what it covers and costs); every batch checks the lengths it was planned
-      with. Map-style datasets only.
+    - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round). Under
+      ``balance=True`` and ``planning="global"`` a sample may train on another rank: it moves as its tensors'
+      own bytes plus a pickle of the rest (:attr:`moves` counts them; NOTE [ Moved samples ] in transfer.py;
+      the ranks of a job must trust each other's pickles, README "Trust model").
+    - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM;
+      the default policy mixes lengths within each step and emits no length curriculum at any size -- README,
+      "What the default trains").
+    - ``max_steps_per_round``: most batches one alignment round emits per rank.
+    - ``max_wait_rounds``: rounds after which a buffered sample is prioritized. Not the wait's bound: that is
+      ``max_wait_rounds + buffer_size - 1`` rounds under local planning and ``max_wait_rounds`` plus the
+      samples buffered over all ranks under global (one old step leaves a round; NOTE [ Bounded waiting ]).
+    - ``depth``: ready batches kept ahead of the trainer.
+
+    *The optimizer step*:
+
+    - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window (and the
+      default policy orders a round's steps for it: NOTE [ Round order ]).
+    - ``loss_tokens``: :class:`~evenflow.LossTokenRule` -- which labels count as supervised (shift, ignore index).
     - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.runtime.step_info.StepInfoMisuse` a few
       fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
       ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).
+
+    *DataLoader workers*:
+
+    - ``num_workers``, ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``multiprocessing_context``,
+      ``worker_init_fn``: as in ``torch.utils.data.DataLoader``, for the workers that run the dataset one sample
+      at a time.
+    - ``worker_timeout``: bound on every wait for a DataLoader worker's next sample (a blocked ``__getitem__``)
+      and on every call into user code on the collation thread (``collate_fn``, ``length_fn``,
+      ``resources_fn``, ``__getitem__`` with ``num_workers=0``); the rank then raises naming the call and the
+      sample, and its peers raise ``PeerError`` in the same round. A worker that dies (the OOM killer) is
+      reported within about a second. Must be below ``timeout`` so the report reaches peers first (with
+      ``num_workers=0`` a larger one is cut to ``timeout / 2``); raise both for slow decoding.
+
+    *The ranks*:
+
+    - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
+    - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
     """
 
-    def __init__(self, dataset: Dataset, *, token_budget: int, collate_fn: Callable | None = None,
-                 num_workers: int = 0, join: bool = True, seed: int = 0, shuffle: bool = True,
-                 buffer_size: int = 4096, depth: int = 4, cost: CostModel = "padded",
-                 max_samples: int | None = None, extra_budgets: Mapping[str, int] | None = None,
-                 oversize: OversizePolicy = "error", pad_to_multiple_of: int | None = None,
-                 max_steps_per_round: int = 8, max_wait_rounds: int = 16, grad_accum_steps: int = 1,
-                 length_fn: Callable | None = None, resources_fn: Callable | None = None,
-                 loss_tokens: LossTokenRule | None = None, pad_token_id: int = 0,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory: bool = False,
-                 multiprocessing_context: object = None, worker_init_fn: Callable | None = None,
+    def __init__(self, dataset: Dataset, *,
+                 # what one batch may hold
+                 token_budget: int, cost: CostModel = "padded", max_samples: int | None = None,
+                 extra_budgets: Mapping[str, int] | None = None, oversize: OversizePolicy = "error",
+                 pad_to_multiple_of: int | None = None, length_fn: Callable | None = None,
+                 resources_fn: Callable | None = None,
+                 # how a batch is built
+                 collate_fn: Callable | None = None, pad_token_id: int = 0, idle_sample: Mapping | None = None,
+                 # the epoch
+                 join: bool = True, seed: int = 0, shuffle: bool = True,
+                 lengths: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+                 # planning across ranks
+                 planning: PlanningChoice = "auto", planning_group: int | None = None, balance: bool = False,
+                 buffer_size: int = 4096, max_steps_per_round: int = 8, max_wait_rounds: int = 16, depth: int = 4,
+                 # the optimizer step
+                 grad_accum_steps: int = 1, loss_tokens: LossTokenRule | None = None,
+                 usage_check: UsageCheck = "taken",
+                 # DataLoader workers
+                 num_workers: int = 0, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory: bool = False, multiprocessing_context: object = None,
+                 worker_init_fn: Callable | None = None, worker_timeout: timedelta = timedelta(minutes=4),
+                 # the ranks
                  process_group: object | None = None, timeout: timedelta = timedelta(minutes=5),
-                 worker_timeout: timedelta = timedelta(minutes=4),
-                 idle_sample: Mapping | None = None, balance: bool = False, usage_check: UsageCheck = "taken",
-                 planning: PlanningChoice = "auto", planning_group: int | None = None,
-                 lengths: Sequence[int] | Mapping[str, Sequence[int]] | None = None, **unknown: object) -> None:
+                 **unknown: object) -> None:
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
         self.config = _loader_config(
@@ -192,13 +225,17 @@ class DynamicBatchLoader:
         self.exchange = self._planning.exchange
         # The resolved policy, not "auto": a state saved under one policy never resumes under the other.
         self.fingerprint = _fingerprint(self.config, self.world_size, self.planning, self._planning.size)
-        self.idle_sample = idle_sample
+        self._idle = IdleTemplate(dataset=dataset, idle_sample=idle_sample, token_budget=token_budget, rank=self.rank,
+                                  iterable=self.streams.iterable)
         self._init_state()
         self.dropped: list = []
         """Keys removed under ``oversize="drop"`` (each also warned once)."""
         self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
-        self._plan_lengths = None if lengths is None else self._check_lengths(lengths)
-        self._planned: dict[int, int] = {}  # epoch -> planned steps (NOTE [ The planned epoch length ])
+        # NOTE [ The planned epoch length ] in epoch_plan.py
+        self._lengths = None if lengths is None else PlannedLengths(
+            lengths, num_samples=-1 if self.streams.iterable else len(dataset), config=self.config,
+            world_size=self.world_size, planning=self.planning, group_size=self._planning.size or self.world_size,
+            iterable=self.streams.iterable)
         self.moves = Moves()
         """Samples (and bytes) this rank sent to peers: under ``planning="global"`` or ``balance=True`` a sample
         may train on another rank (NOTE [ Moved samples ] in evenflow/runtime/transfer.py)."""
@@ -206,7 +243,6 @@ class DynamicBatchLoader:
 
     def _init_state(self) -> None:
         """The state of epochs, resume and quota-mode carry: every private attribute they change, set once here."""
-        self._template: object | None = None
         self._epoch = 0
         self._pending_state: dict | None = None
         self._carry: list = []            # quota mode: keys carried into the current epoch (map-style)
@@ -293,7 +329,7 @@ class DynamicBatchLoader:
         :func:`evenflow.runtime.epoch_plan.plan_coverage`), or for an epoch resumed mid-way from a state. Identical
         on every rank; computed once per epoch (NOTE [ The planned epoch length ]).
         """
-        if self._plan_lengths is None:
+        if self._lengths is None:
             return None
         epoch = self._epoch if epoch is None else epoch
         pending = self._pending_state
@@ -304,25 +340,7 @@ class DynamicBatchLoader:
 
     def fresh_planned_steps(self, epoch: int) -> int | None:
         """:meth:`planned_steps` of ``epoch`` run from its start, resumed or not (a schedule's horizon)."""
-        if self._plan_lengths is None:
-            return None
-        if epoch not in self._planned:
-            tokens, extra = self._plan_lengths
-            self._planned[epoch] = planned_steps(tokens, extra, self.config, world_size=self.world_size,
-                                                 planning=self.planning, epoch=epoch)
-        return self._planned[epoch]
-
-    def _check_lengths(self, lengths) -> tuple:
-        if self.streams.iterable:
-            raise ValueError("lengths= plans a map-style dataset's epochs; an IterableDataset has no per-index "
-                             "lengths (drop lengths=)")
-        why = plan_coverage(join=self.config.alignment.join, oversize=self.config.grouping.oversize,
-                            world_size=self.world_size, planning=self.planning,
-                            group_size=self._planning.size or self.world_size, iterable=False)
-        if why:
-            raise ValueError(f"lengths= cannot plan this loader's epochs: {why}; drop lengths= (len() is then an "
-                             "upper bound)")
-        return as_plan_lengths(lengths, len(self.dataset), tuple(self.config.grouping.extra_budgets))
+        return None if self._lengths is None else self._lengths.steps(epoch)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Stop the current epoch on every rank (coordinated through the protocol) and release workers.
@@ -415,7 +433,7 @@ class DynamicBatchLoader:
             planner=self._planner, stream=stream, total=total, skip=skip, exchange=self.exchange,
             fingerprint=self.fingerprint, spec=self.spec, collate_fn=self.collate_fn, handoff=self._handoff,
             epoch=self._epoch, depth=self.config.depth, grad_accum_steps=self.config.grad_accum_steps,
-            payloads=self._payloads, template=self._idle_template, on_first_sample=self._remember_template,
+            payloads=self._payloads, template=self._idle.template, on_first_sample=self._idle.remember,
             rebalancer=(global_round := self._global_round()) or self._rebalancer(), global_round=global_round,
             planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
             error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout),
@@ -493,18 +511,11 @@ class DynamicBatchLoader:
             self._committed = self._steps_done
 
     def _check_planned(self, info: StepInfo) -> None:
-        """A planned epoch: the batch's samples must have the lengths the plan used (NOTE [ The planned epoch
-        length ]); else len() and a trainer's schedule are wrong, and this rank's error reaches every peer."""
-        if self._plan_lengths is None:
-            return
-        tokens = self._plan_lengths[0]
-        given = int(tokens[info.sample_ids].sum()) if info.sample_ids else 0
-        if given != info.real_tokens:
-            exc = ValueError(
-                f"rank {self.rank}, samples {list(info.sample_ids)}: lengths= gives them {given} tokens but the loader "
-                f"measured {info.real_tokens}; the planned epoch length ({self._planned.get(self._epoch)} steps, "
-                "len()) is wrong. Pass the lengths the loader measures (length_fn, default len(sample['input_ids']), after "
-                "any truncation), e.g. evenflow.runtime.epoch_plan.dataset_lengths(dataset)")
+        """A planned epoch: a batch measured at other lengths than ``lengths=`` gave is this rank's error, and it
+        reaches every peer (NOTE [ The planned epoch length ])."""
+        exc = None if self._lengths is None else self._lengths.mismatch(info.sample_ids, info.real_tokens,
+                                                                        rank=self.rank, epoch=self._epoch)
+        if exc is not None:
             self._stop_epoch(exc)
             raise exc
 
@@ -561,7 +572,7 @@ class DynamicBatchLoader:
     def _global_round(self):
         if self._planning.groups is None:
             return None
-        from .global_round import GlobalRound  # imports scipy only when asked for
+        from ..global_round import GlobalRound  # imports scipy only when asked for
         return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
                            self._payloads, pair_keys=self.streams.iterable, moves=self.moves,
                            grad_accum_steps=self.config.grad_accum_steps)
@@ -569,43 +580,9 @@ class DynamicBatchLoader:
     def _rebalancer(self):
         if not self.config.balance:
             return None
-        from .balancing import StepRebalancer  # imports evenflow.balance (scipy) only when asked for
+        from ..balancing import StepRebalancer  # imports evenflow.balance (scipy) only when asked for
         return StepRebalancer(self.exchange, self.config.grouping, self._payloads, pair_keys=self.streams.iterable,
                               moves=self.moves)
-
-    # -- IDLE batches --------------------------------------------------------------------------------------
-    def _remember_template(self, sample: object) -> None:
-        if self._template is None:
-            self._template = sample
-
-    def _idle_template(self) -> object:
-        """A real sample to collate for IDLE steps (its loss is scaled by 0, so its labels stay real)."""
-        if self._template is not None:
-            return self._template
-        if self.idle_sample is not None:
-            return self.idle_sample
-        if not self.streams.iterable and len(self.dataset) > 0:
-            self._template = self._first_within_budget()
-            return self._template
-        raise RuntimeError(f"rank {self.rank} must emit an IDLE batch but never received a sample (its "
-                           "IterableDataset stream was empty); pass idle_sample={...} to DynamicBatchLoader")
-
-    def _first_within_budget(self) -> object:
-        """The first dataset sample whose tokens fit the budget: an IDLE batch must not be an over-budget one.
-
-        Reached only when this rank must emit an IDLE step before it buffered any sample within the budget
-        (e.g. it only ever received ``oversize="alone"`` samples); dataset[0] may itself be over the budget.
-        """
-        budget = self.config.grouping.token_budget
-        n = min(len(self.dataset), _TEMPLATE_SCAN)
-        for index in range(n):
-            sample = self.dataset[index]
-            ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
-            if ids is not None and len(ids) <= budget:
-                return sample
-        raise RuntimeError(f"rank {self.rank} must emit an IDLE batch but the first {n} dataset samples are all "
-                           f"over token_budget={budget}, so none can stand in as its placeholder; pass "
-                           "idle_sample={...} (a small sample) to DynamicBatchLoader")
 
 
 _HOST = config_fingerprint(socket.gethostname())

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from .faults import sample_of
-from .source import Streams
+from ..faults import sample_of
+from ..source import Streams
 
 if TYPE_CHECKING:
     from .loader import DynamicBatchLoader

@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ..planning.alignment import AlignmentConfig
-from ..planning.grouping import CostModel, GroupingConfig, OversizePolicy
-from ..planning.loss import LossTokenRule
-from .collate import FlatCollate, PadCollate
-from .planning import PLANNING_CHOICES, PlanningChoice
+from ...planning.alignment import AlignmentConfig
+from ...planning.grouping import CostModel, GroupingConfig, OversizePolicy
+from ...planning.loss import LossTokenRule
+from ..collate import FlatCollate, PadCollate
+from ..planning import PLANNING_CHOICES, PlanningChoice
 
 __all__ = ["LoaderConfig"]
 
