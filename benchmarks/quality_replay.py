@@ -26,10 +26,11 @@ Controls, which take one thing away (no LR rule):
                      (step by step, to the nearest sample): the default minus its composition
     today_random     the pre-issue-18 steps in a random order: homogeneous steps without the curriculum
     accum2           the default at half the budget (2,048) with 2 micro-batches per rank and optimizer step:
-                     the same tokens per step in 2W micro-batches (hh-rlhf only: every sample must fit 2,048)
+                     the same tokens per step in 2W micro-batches (hh_rlhf and hh_rlhf_full: every sample must fit
+                     2,048; not chitchat)
     accum2_shuffled  accum2's step token counts filled at random
     w4               the default on 4 ranks at half the budget (2,048): the same tokens per step in 4 micro-batches
-                     without accumulation, as a larger data-parallel job has them (hh-rlhf only, as accum2)
+                     without accumulation, as a larger data-parallel job has them (as accum2, not chitchat)
     w4_shuffled      w4's step token counts filled at random
     local_shuffled   local's step token counts filled at random
     packed           the default with padding-free packs (``cost="summed"``, 4,096 tokens a pack) dealt mixed:
@@ -110,7 +111,7 @@ COMPOSITION = ("H", "H_g", "late", "q_cv", "rough", "timing")
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
                 "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted",
                 "default_nosteer", *ORDER_ARMS, *LIBRARY_ORDER)
-"""Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (hh-rlhf, not chitchat)."""
+"""Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (both hh-rlhf sets, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 LR_RULE = ("default", "today", "local", "default_smooth_lr")
 """Arms trained with the sqrt token LR rule (``evenflow.TokenLRScaler``'s, as the demo's sqrt LR arm)."""

@@ -77,9 +77,10 @@ class DynamicBatchLoader:
     ``prefetch_factor x num_workers`` in-flight samples.
 
     Arguments (keyword-only after ``dataset``; there is no ``batch_size``: the budget sizes batches). They come
-    in seven concerns, in this order in the signature; at construction they become one frozen
-    :class:`LoaderConfig` with a part per concern that decides batches (``grouping``, ``alignment``, ...),
-    checked in the order listed here.
+    in seven concerns, in this order in the signature. At construction, unknown names are refused first (naming
+    the evenflow name of a DataLoader argument), then what decides batches becomes one frozen, validated
+    :class:`LoaderConfig` (``grouping``, ``alignment``, ...; evenflow.runtime.loader.config), then the workers'
+    arguments are checked.
 
     *What one batch may hold* (:class:`~evenflow.planning.grouping.GroupingConfig`):
 
