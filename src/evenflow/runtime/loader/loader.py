@@ -26,18 +26,18 @@ from ...planning.grouping import CostModel, OversizePolicy
 from ...planning.loss import LossTokenRule
 from ..collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
 from ..comm import resolve_topology
+from ..epoch_plan import PlannedLengths
 from ..faults import sample_of
-from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
-from .state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
-from .idle import IdleTemplate
-from .keys import _carried, _continued, _fetch_error, _Keyed, _Numbered
 from ..planning import PlanningChoice, setup_planning
 from ..resume import key_order
-from ..epoch_plan import PlannedLengths
 from ..shard_check import content_print
 from ..source import StreamOptions, Streams, shard_indices
 from ..step_info import StepInfo, UsageCheck, UsageTracker
 from ..transfer import Moves
+from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
+from .idle import IdleTemplate
+from .keys import _carried, _continued, _fetch_error, _Keyed, _Numbered
+from .state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from torch.utils.data import Dataset
 
 from ...planning.alignment import config_fingerprint
-from .config import LoaderConfig
 from ..planning import default_planning_group, resolve_planning
 from ..redeal import check_world, redeal
 from ..resume import check_schema, validate_state
 from ..source import shard_indices
+from .config import LoaderConfig
 
 __all__ = ["STATE_VERSION", "ResumeContext", "resume_state", "shape_at"]
 
