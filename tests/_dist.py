@@ -2,6 +2,7 @@
 
 The child runs ``fn(rank, world_size, *args)`` and its return value comes back pickled; an exception comes
 back as its formatted traceback. Survivors are killed when the deadline passes, so no test can hang.
+:func:`run_session` does the same for a launched command (torchrun, a Ray driver): its whole process group.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -89,3 +93,24 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, start_method: 
             if isinstance(res, RankFailed):
                 raise res
     return results
+
+
+def run_session(cmd: Sequence[str], *, timeout: float, what: str, stderr: int = subprocess.PIPE,
+                on_timeout: Callable[[], str] = str, **popen: object) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session and return it completed; past ``timeout`` kill its whole process group
+    (a launcher's ranks and their workers too: ``subprocess.run``'s timeout kills the launcher alone) and fail
+    the test naming ``what``, ``on_timeout()`` (e.g. which ranks wrote their results) and the output's tail."""
+    import pytest
+
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                            **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{what} did not end within {timeout} s{on_timeout()}:\n{(err or out or '')[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -7,10 +7,7 @@ world is polled with a timeout (tests/_dist.py); nothing can hang.
 from __future__ import annotations
 
 import collections
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import pytest
 import torch
 
 import loader_scenarios as sc
-from _dist import RankFailed, run_world
+from _dist import RankFailed, run_session, run_world
 
 pytestmark = pytest.mark.multiprocess
 
@@ -326,20 +323,10 @@ def test_a_dead_rank_is_named_in_the_sample_all_to_all():
 
 def test_torchrun_launch(tmp_path):
     script = Path(__file__).with_name("torchrun_job.py")
-    # Its own session, so that a hang kills the ranks too (subprocess.run's timeout kills the launcher alone) and the
-    # failure says where it hung: before the epoch ended or at exit (after both ranks wrote their results).
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        written = sorted(p.name for p in tmp_path.glob("rank*.txt"))
-        pytest.fail(f"the torchrun job did not end within 180 s; rank results written: {written}; stderr: "
-                    f"{stderr[-3000:]}")
-    assert proc.returncode == 0, stderr[-3000:]
+    proc = run_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), str(tmp_path)], timeout=180, what="the torchrun job",
+                       on_timeout=lambda: f"; rank results written: {sorted(p.name for p in tmp_path.glob('rank*.txt'))}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [int((tmp_path / f"rank{r}.txt").read_text().split()[0]) for r in range(2)]
     totals = [int((tmp_path / f"rank{r}.txt").read_text().split()[1]) for r in range(2)]
     assert counts[0] == counts[1] and sum(totals) == 301

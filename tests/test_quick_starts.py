@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from _dist import run_session
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "README.md").read_text()
 
@@ -38,7 +40,7 @@ def _run(tmp_path: Path, code: str, *, torchrun: int = 0, timeout: int = 420) ->
     script.write_text(code)
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
               if torchrun else [sys.executable])
-    proc = subprocess.run(launch + [str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    proc = run_session(launch + [str(script)], timeout=timeout, what="the README snippet", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

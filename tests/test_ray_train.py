@@ -13,12 +13,13 @@ import collections
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _dist import run_session
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -34,17 +35,9 @@ def test_ray_train_resumes_a_two_worker_checkpoint_on_three_workers_exactly_once
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"),
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ray_job.py"), str(tmp_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=30)
-        pytest.fail(f"the Ray job did not finish within {DEADLINE_S} s:\n{output[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc = run_session([sys.executable, str(ROOT / "tests" / "ray_job.py"), str(tmp_path)], timeout=DEADLINE_S,
+                       what="the Ray job", stderr=subprocess.STDOUT, env=env)
+    output = proc.stdout
     if proc.returncode == 3 and "RAY_CANNOT_START" in output:
         pytest.skip("Ray cannot start on this machine: " + output.split("RAY_CANNOT_START", 1)[1].strip()[:500])
     assert proc.returncode == 0, output[-4000:]

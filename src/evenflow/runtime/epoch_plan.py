@@ -46,9 +46,10 @@ class PlannedLengths:
     whose samples the loader measured at other lengths than these (``None`` when they agree).
     """
 
-    def __init__(self, lengths: Sequence[int] | Mapping[str, Sequence[int]], *, num_samples: int,
-                 config: LoaderConfig, world_size: int, planning: str, group_size: int, iterable: bool) -> None:
-        if iterable:
+    def __init__(self, lengths: Sequence[int] | Mapping[str, Sequence[int]], *, num_samples: int | None,
+                 config: LoaderConfig, world_size: int, planning: str, group_size: int) -> None:
+        """``num_samples``: the map-style dataset's size; ``None`` for an ``IterableDataset`` (refused)."""
+        if num_samples is None:
             raise ValueError("lengths= plans a map-style dataset's epochs; an IterableDataset has no per-index "
                              "lengths (drop lengths=)")
         why = plan_coverage(join=config.alignment.join, oversize=config.grouping.oversize, world_size=world_size,
@@ -68,13 +69,13 @@ class PlannedLengths:
                                                planning=self.planning, epoch=epoch)
         return self._steps[epoch]
 
-    def mismatch(self, sample_ids: Sequence[int], measured: int, *, rank: int, epoch: int) -> ValueError | None:
+    def mismatch(self, sample_ids: list[int], measured: int, *, rank: int, epoch: int) -> ValueError | None:
         """A batch's samples must have the lengths the plan used; else len() and a trainer's schedule are wrong."""
-        given = int(self.tokens[list(sample_ids)].sum()) if sample_ids else 0
+        given = int(self.tokens[sample_ids].sum()) if sample_ids else 0
         if given == measured:
             return None
         return ValueError(
-            f"rank {rank}, samples {list(sample_ids)}: lengths= gives them {given} tokens but the loader measured "
+            f"rank {rank}, samples {sample_ids}: lengths= gives them {given} tokens but the loader measured "
             f"{measured}; the planned epoch length ({self._steps.get(epoch)} steps, len()) is wrong. Pass the "
             "lengths the loader measures (length_fn, default len(sample['input_ids']), after any truncation), e.g. "
             "evenflow.runtime.epoch_plan.dataset_lengths(dataset)")

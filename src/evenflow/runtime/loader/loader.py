@@ -234,9 +234,8 @@ class DynamicBatchLoader:
         self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
         # NOTE [ The planned epoch length ] in epoch_plan.py
         self._lengths = None if lengths is None else PlannedLengths(
-            lengths, num_samples=-1 if self.streams.iterable else len(dataset), config=self.config,
-            world_size=self.world_size, planning=self.planning, group_size=self._planning.size or self.world_size,
-            iterable=self.streams.iterable)
+            lengths, num_samples=None if self.streams.iterable else len(dataset), config=self.config,
+            world_size=self.world_size, planning=self.planning, group_size=self._planning.size or self.world_size)
         self.moves = Moves()
         """Samples (and bytes) this rank sent to peers: under ``planning="global"`` or ``balance=True`` a sample
         may train on another rank (NOTE [ Moved samples ] in evenflow/runtime/transfer.py)."""
