@@ -4,11 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --constraint constraints-cpu.txt
 
-.PHONY: test demo bench soak check-protocol clean
+.PHONY: test demo docs bench soak check-protocol clean
 
 $(VENV)/.installed-test: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) -e '.[test]'
+	touch $@
+
+$(VENV)/.installed-docs: $(VENV)/.installed-test
+	$(PIP) -e '.[docs]'
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed-test
@@ -22,6 +26,11 @@ test: $(VENV)/.installed-demo
 
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/evenflow demo
+
+# The documentation site from docs/ and the docstrings; --strict fails on any warning (a broken link, a missing
+# include, a docstring reference that does not resolve). `$(VENV)/bin/mkdocs serve` to browse it.
+docs: $(VENV)/.installed-docs
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed-demo
 	$(PIP) -e '.[bench]'
@@ -39,4 +48,4 @@ check-protocol: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/test_model_checker.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

@@ -28,6 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as bl  # noqa: E402
 import real_data  # noqa: E402
+from sim_setup import (ABLATION_SET, BUDGET, CUTOFF, MAIN_ORDER, OURS, PAPER_SORTED, PAPER_SPEEDUP,  # noqa: E402
+                       WORLD)
 
 from evenflow.planning import AlignmentConfig  # noqa: E402
 from evenflow.sim import CostModel, simulate  # noqa: E402
@@ -35,19 +37,8 @@ from evenflow.sim.calibrate import cpu_cost_model, gpu_cost_model  # noqa: E402
 from evenflow.sim.datasets import LengthShape, describe, matched_lengths  # noqa: E402
 from evenflow.sim.timefit import fit_time_cost  # noqa: E402
 
-WORLD = 8
-BUDGET = 16_384
-CUTOFF = 8_192
-PAPER_SPEEDUP = {"ultrachat": 1.77, "llava": 1.73, "sharegpt4o": 2.46, "mmmix": 4.43}
-"""ODB paper, 8B model on 8 x H20, over fixed batching (MM-Mix: 4.43x on its production mix)."""
-PAPER_SORTED = {"sharegpt4o": 1.03}
-OURS = ("evenflow_local", "evenflow_balanced", "evenflow_global")
-"""The package's padded policies: ``oracle_ratio`` is the best of these over the (padded) offline oracle."""
-MAIN_ORDER = ("standard", "sorted", "oracle", "packing", "odb_buf256", "odb_buf1024", "evenflow_local",
-              "evenflow_balanced", "evenflow_global", "evenflow_local_summed", "proposal_time_balanced")
 CALIBRATION_SAMPLES = 4000
 """Lengths of the planner's calibration split (seed 1: disjoint draws from the epoch's seed 0)."""
-ABLATION_SET = "sharegpt4o"
 
 
 def _log(msg: str) -> None:

@@ -2,7 +2,8 @@
 
 Kept module-level so spawn-started ranks can import them. Each returns plain data (sample ids per step, the
 LR reference, the epoch HF reported), or the error text. The Accelerate, DCP and list recipes are the code
-blocks of README.md, executed as written (``snippet``).
+blocks of the documentation (docs/elastic.md, docs/quickstart/accelerate.md), executed as written
+(``snippet``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from evenflow import STEP_INFO_KEY
 
 import integration_scenarios as isc
 import loader_scenarios as lsc
+from _snippets import snippet
 
 HF_STEPS, HF_SAVE = 14, 6
 
@@ -76,17 +78,8 @@ def lightning_stop(record) -> int:
     return isc._mid_epoch_step(windows)
 
 
-# -- the README recipes, executed as written -------------------------------------------------
-README = Path(__file__).resolve().parents[1] / "README.md"
+# -- the documentation's recipes (docs/elastic.md, docs/quickstart/accelerate.md), executed as written -------------------------------------------------
 SAVE_AT = 3
-
-
-def snippet(name: str) -> str:
-    """The code block tagged ``<!-- snippet: name -->`` in README.md."""
-    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```\w*\n(.*?)```", README.read_text(), re.S)
-    if match is None:
-        raise LookupError(f"README.md has no snippet {name!r}")
-    return match.group(1)
 
 
 class Recorded:
@@ -132,13 +125,13 @@ def accelerate_snippet(out_dir, resume=None):
     model = TinyModel()
     scope = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader, epochs=2,
                  resume=resume, save_at=None if resume else SAVE_AT, out_dir=os.path.join(out_dir, "accelerate"))
-    exec(snippet("accelerate"), scope)  # noqa: S102 - the README's own code
+    exec(snippet("accelerate"), scope)  # noqa: S102 - the documentation's own code
     loader.close()
     return dict(rows=loader.rows, start_epoch=scope["checkpoint"].start_epoch)
 
 
 def dcp_save(out_dir, stop=6):
-    """Train 6 steps, then the README's dcp-save; the bare loader saved too (the wrong way), and each rank's
+    """Train 6 steps, then the docs' dcp-save; the bare loader saved too (the wrong way), and each rank's
     plain state file for the resume-list recipe."""
     import torch.distributed.checkpoint as dcp
 

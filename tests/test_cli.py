@@ -195,3 +195,26 @@ def test_profile_budget_from_a_model_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["profile", "--dataset", str(paths["jsonl"]), "--model-config", str(tmp_path / "config.json")])
     assert "--memory-gb" in capsys.readouterr().err
+
+
+@needs_demo_extra
+def test_the_docs_profile_command_runs_as_written(tmp_path, capsys):
+    """docs/quickstart/plain.md's command, its three placeholder paths pointed at real files."""
+    import shlex
+
+    from _snippets import snippet
+    from evenflow.data.chat import qwen_tokenizer_dir
+    from evenflow.memory import ModelShape, recommend_token_budget
+
+    config = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    places = {"my.jsonl": str(_write_all_formats(tmp_path)["jsonl"]), "./my-tokenizer": str(qwen_tokenizer_dir()),
+              "./config.json": str(tmp_path / "config.json")}
+    argv = [places.get(a, a) for a in shlex.split(snippet("profile"))]
+    assert argv[0] == "evenflow" and set(places.values()) <= set(argv)
+    assert cli.main(argv[1:] + ["--out", str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = recommend_token_budget(ModelShape.from_hf_config(config, dtype="bfloat16"), 80 * 2**30).token_budget
+    assert report["profile"]["count"] == 5 and report["budget"]["token_budget"] == want

@@ -199,3 +199,23 @@ def test_trainer_switches_cache_off_for_a_user_packing_collator(tmp_path):
         assert abs(loss.item() - _reference(model, dataset, info.sample_ids).item()) < 1e-6
     finally:
         trainer.close_train_loader()
+
+
+def test_the_docs_packing_snippet_as_written_equals_the_per_sample_reference():
+    """docs/quickstart/hf-trainer.md's loop, exec'd as written (its ``from_config`` returns this test's model):
+    one epoch of packed steps, gradients equal to the per-sample reference."""
+    from _snippets import snippet
+
+    model = _model("qwen3", "sdpa", torch.float32)
+
+    class AutoModelForCausalLM:
+        from_config = staticmethod(lambda config: model)
+
+    dataset = Chats()
+    exec(snippet("hf-packing"), {"AutoModelForCausalLM": AutoModelForCausalLM, "config": model.config,  # noqa: S102
+                                 "dataset": dataset, "evenflow": evenflow})
+    assert model.config.use_cache is True  # untouched: the batch itself switched the cache off
+    got = _grads(model)
+    assert sum(LENGTHS) <= 16384  # the snippet's budget: the whole epoch is one packed step
+    _reference(model, dataset, range(len(dataset))).backward()
+    assert _rel(got, _grads(model)) < 1e-5

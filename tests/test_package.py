@@ -1,9 +1,10 @@
 """The package a user installs: a built wheel in a fresh venv runs ``--version``, ``--help`` and a 2-rank job.
 
-The wheel is built with ``python -m build --wheel --no-isolation`` from a copy of the sources (so the working
-tree gets no build/ or egg-info) and installed with ``--no-deps`` into a venv made from the base interpreter.
-Its dependencies (torch, numpy, scipy) are *not* reinstalled: installing the CPU torch wheel takes ~2 minutes
-here, so the fresh venv sees the dev environment's site-packages through a ``.pth`` path entry (which adds
+The install commands of docs/install.md run as written, from a clone of a copy of the sources (so the working
+tree gets no build/ or egg-info), into a venv made from the base interpreter: ``pip install .``, with extras,
+then a wheel built with ``pip wheel`` and installed. Dependencies (torch, numpy, scipy, the extras) are *not*
+reinstalled: installing the CPU torch wheel takes ~2 minutes here, so the fresh venv sees the dev
+environment's site-packages through a ``.pth`` path entry (which adds
 their modules but runs none of their ``.pth`` hooks, so the dev tree's editable evenflow stays invisible), and
 the test checks that ``import evenflow`` resolves to the installed wheel and that every ``Requires-Dist`` of
 the wheel is satisfied there. ``--help`` / ``--version`` must not import torch (checked by ``sys.modules``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -62,28 +64,41 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    pytest.importorskip("build")
-    src = tmp_path_factory.mktemp("sources")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)])
-    (whl,) = out.glob("evenflow-*.whl")
-    return whl
-
-
-@pytest.fixture(scope="module")
-def fresh_venv(wheel, tmp_path_factory) -> Path:
+def fresh_venv(tmp_path_factory) -> Path:
+    """A venv made from the base interpreter that sees the dev environment's packages (see the module doc)."""
     env = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=False).create(env)
     python = env / "bin" / "python"
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     (Path(purelib) / "evenflow_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "--quiet",
-          str(wheel)])
     return env
+
+
+@pytest.fixture(scope="module")
+def wheel(fresh_venv, tmp_path_factory) -> Path:
+    """docs/install.md's commands as written, into ``fresh_venv``: a clone of the repository as it stands, ``pip
+    install .``, with extras, then a wheel built and installed. pip runs with ``--no-index`` (every requirement
+    must already be satisfied, nothing downloads) and without build isolation (the build backend comes from the
+    dev environment). Returns the wheel, which is what the venv holds at the end."""
+    from _snippets import snippet
+
+    pytest.importorskip("build")
+    repo = tmp_path_factory.mktemp("repository")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, repo / name)
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    _run(git[:3] + ["init", "-q"])
+    _run(git[:3] + ["add", "."])
+    _run(git + ["commit", "-qm", "the sources as they stand"])
+    script = snippet("install").replace("<the evenflow repository>", str(repo))
+    work = tmp_path_factory.mktemp("user")
+    pip = f'pip() {{ "{sys.executable}" -m pip --python "{fresh_venv / "bin" / "python"}" "$@"; }}\n'
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PIP_QUIET="1")
+    _run(["bash", "-euo", "pipefail", "-c", pip + script], cwd=work, env=env, timeout=600)
+    (whl,) = (work / "evenflow" / "dist").glob("evenflow-*.whl")
+    return whl
 
 
 def test_wheel_contents(wheel):

@@ -17,9 +17,9 @@ from _dist import run_world
 from evenflow.runtime.loader import LoaderConfig
 from evenflow.runtime.planning import MAX_PLANNING_GROUP, resolve_planning
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "default-trains.md"
 RULE = "2 <= world size <= 64"
-"""The rule's wording, the same in the README, the loader's docstring and LoaderConfig.planning."""
+"""The rule's wording, the same on the docs page, the loader's docstring and LoaderConfig.planning."""
 
 
 def _auto(world, balance=False, planning_group=None):
@@ -46,9 +46,9 @@ def test_auto_resolves_by_the_documented_rule():
 def test_docs_state_the_rule_and_its_relation_to_balance():
     loader_doc = inspect.getdoc(evenflow.DynamicBatchLoader)
     config_doc = inspect.getsource(LoaderConfig)
-    readme = README.read_text()
+    page = PAGE.read_text()
     for where, text in (("DynamicBatchLoader docstring", loader_doc), ("LoaderConfig.planning", config_doc),
-                        ("README", readme)):
+                        ("docs/default-trains.md", page)):
         flat = " ".join(text.split())
         assert RULE in flat, f"{where} does not state the rule {RULE!r}"
         assert "balance=True" in flat and "planning_group" in flat, where

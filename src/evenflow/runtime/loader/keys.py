@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from ..faults import sample_of
 from ..source import Streams
-
-if TYPE_CHECKING:
-    from .loader import DynamicBatchLoader
 
 
 def _continued(streams: Streams, old: Iterator | None) -> Iterator:
@@ -63,11 +59,22 @@ class _Keyed:
         return key, sample
 
 
-class _Numbered:
-    """``(position, sample)`` over a raw stream, positions drawn from the loader's running counter."""
+class StreamPosition:
+    """The next stream position of an iterable dataset: the key its next sample gets.
 
-    def __init__(self, loader: DynamicBatchLoader, raw: Iterator) -> None:
-        self.loader = loader
+    The loader owns one and keeps it across the passes of quota mode, so carried keys stay unique; each
+    pass's :class:`_Numbered` draws from it.
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _Numbered:
+    """``(position, sample)`` over a raw stream, positions drawn from a running :class:`StreamPosition`."""
+
+    def __init__(self, position: StreamPosition, raw: Iterator) -> None:
+        self.position = position
         self.raw = raw
 
     def __iter__(self) -> Iterator:
@@ -75,8 +82,8 @@ class _Numbered:
 
     def __next__(self) -> tuple:
         sample = next(self.raw)
-        key = self.loader._position
-        self.loader._position += 1
+        key = self.position.value
+        self.position.value += 1
         return key, sample
 
 

@@ -36,7 +36,7 @@ from ..step_info import StepInfo, UsageCheck, UsageTracker
 from ..transfer import Moves
 from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
 from .idle import IdleTemplate
-from .keys import _carried, _continued, _fetch_error, _Keyed, _Numbered
+from .keys import StreamPosition, _carried, _continued, _fetch_error, _Keyed, _Numbered
 from .state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
@@ -264,7 +264,7 @@ class DynamicBatchLoader:
         self._planner: RankPlanner | None = None  # kept across epochs in quota mode (iterable carry)
         self._payloads: dict = {}
         self._iterable_stream: Iterator | None = None  # quota mode: the raw stream a carried epoch continues
-        self._position = 0                # next stream position (iterable datasets)
+        self._position = StreamPosition()  # next stream position (iterable datasets)
         self._passes = 0                  # epochs started on this loader (the same count on every rank)
 
     # -- public API ----------------------------------------------------------------------------------------
@@ -459,11 +459,11 @@ class DynamicBatchLoader:
         if self.streams.iterable:
             # Keys are stream positions; quota mode keeps counting across epochs so carried keys stay unique.
             if not keep_planner:
-                self._position = 0
+                self._position.value = 0
             raw = _continued(self.streams, self._iterable_stream if keep_planner else None)
             self._iterable_stream = raw
             self._keys = []
-            return _Numbered(self, raw), None, frozenset(consumed)
+            return _Numbered(self._position, raw), None, frozenset(consumed)
         shard = self._stream if self._stream is not None else shard_indices(
             len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch, seed=self.config.seed,
             shuffle=self.config.shuffle)
@@ -477,7 +477,7 @@ class DynamicBatchLoader:
     def _key_at(self, pulled: int) -> object:
         """The key of the ``pulled``-th sample of this epoch's stream (names a sample whose fetch failed)."""
         if self.streams.iterable:
-            return self._position
+            return self._position.value
         return self._keys[pulled] if pulled < len(self._keys) else None
 
     def _report_fields(self) -> dict:
