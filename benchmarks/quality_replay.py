@@ -55,6 +55,17 @@ Controls, which take one thing away (no LR rule):
                      systematic sample goes as drawn (bounded waiting kept), so every candidate step is as likely
                      to go in any round as any other -- no length waits for the epoch's end
 
+The demo's arms (issue 38), defined once in :mod:`evenflow.demo.steps` and trained there on 2 ranks; each row
+stores its steps' ``schedule`` fingerprint, so the demo can check that a row is its own arm's steps, and the git
+``revision`` it was trained at (``+dirty``: with uncommitted changes; the summary lists each arm's revisions):
+
+    group_by_length  HF's ``group_by_length`` (its ``get_length_grouped_indices``) cut into the default's number of
+                     steps, as ``fixed_matched`` cuts a random order (the demo's reference and its ``HF default`` arm)
+    trl_packed       TRL's packing: ``trl.data_utils.pack_dataset(strategy="bfd")`` rows of 4,096 tokens in a random
+                     order, one per rank and step
+    default_summed   the default with ``cost="summed"`` (padding-free packs) in the library's round order (the
+                     demo's ``evenflow_summed``; ``packed_sorted`` is the same packs in the alternation)
+
 ``--optimizer`` trains every arm with another optimizer than the demo's AdamW (``OPTIMIZERS``); its rows are
 summarized apart (``hh_rlhf@sgd``), to ask whether a composition cost belongs to the data or to the optimizer.
 ``--warmup`` sets the LR warm-up fraction (the demo's 0.05 is one step of hh-rlhf's 22), summarized apart too
@@ -106,11 +117,17 @@ LIBRARY_ORDER = ("default_smooth", "default_smooth_lr")
 """The arms planned with the library's own round order (the zigzag, NOTE [ Round order ], the default since
 2026-12-05). Every other arm of the global planner keeps the order its rows were trained with, the alternation
 the library had before, so its schedules -- and rows -- stay reproducible (``_schedule``)."""
+DEMO_ARMS = ("group_by_length", "trl_packed", "default_summed")
+"""The demo's arms (issue 38) the replay did not have, planned as the demo plans them (:mod:`evenflow.demo.steps`;
+the library's round order). With ``fixed_matched`` (the demo's ``hf_default``) and ``default_smooth`` (its
+``evenflow``) they are the five arms ``evenflow demo`` compares."""
+PACKED = ("packed", "packed_sorted", "packed_shuffled", "trl_packed", "default_summed")
+"""Arms whose steps are padding-free packs: trained one sample at a time (the same loss, no padding)."""
 COMPOSITION = ("H", "H_g", "late", "q_cv", "rough", "timing")
 """A row's composition of its steps (:mod:`evenflow.sim.composition`)."""
 CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "w4_shuffled", "local_shuffled",
                 "packed", "packed_sorted", "packed_shuffled", "counts", "fixed_matched", "default_permuted",
-                "default_nosteer", *ORDER_ARMS, *LIBRARY_ORDER)
+                "default_nosteer", *ORDER_ARMS, *LIBRARY_ORDER, *DEMO_ARMS)
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (both hh-rlhf sets, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 LR_RULE = ("default", "today", "local", "default_smooth_lr")
@@ -124,10 +141,12 @@ CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("defaul
             ("default_nolr", "fixed_matched"), ("default_smooth", "fixed_matched"), ("counts", "fixed_matched"),
             ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"),
             ("default_nosteer", "default_nolr"), ("default_nosteer", "fixed_matched"),
-            ("default_smooth_lr", "default_smooth"), ("default_smooth_lr", "today"), ("default_smooth_lr", "default"))
+            ("default_smooth_lr", "default_smooth"), ("default_smooth_lr", "today"), ("default_smooth_lr", "default"),
+            ("group_by_length", "fixed_matched"), ("trl_packed", "fixed_matched"), ("default_summed", "fixed_matched"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
-the default's own steps in another order (default_smooth - default_nolr)."""
+the default's own steps in another order (default_smooth - default_nolr); the demo's arms against its reference
+(X - fixed_matched: ``evenflow demo`` quotes these intervals)."""
 OPTIMIZERS = {
     "adamw": {"name": "adamw", "lr": None, "beta2": 0.95, "clip": 1.0},  # the demo's (lr: DemoConfig.base_lr)
     "adamw_b2_999": {"name": "adamw", "lr": None, "beta2": 0.999, "clip": 1.0},
@@ -140,7 +159,6 @@ HELDOUT = 256
 """Held-out conversations per seed (the issue asks >= 200; the demo uses 48 to stay fast)."""
 HH_RLHF_RECORDS = 2_312
 """Dialogues in ../shared/data's hh-rlhf harmless-base test file (``hh_rlhf_full`` trains on all but the held-out)."""
-BOOTSTRAP = 10_000
 OUT = Path(__file__).with_name("results") / "quality_replay.jsonl"
 
 
@@ -171,8 +189,9 @@ def _prepare(data: str, seed: int):
 
 def _schedule(arm: str, lengths: np.ndarray, seed: int):
     """The arm's steps as a :class:`~evenflow.sim.Schedule` (one optimizer step per loader step): the library's
-    round order for :data:`LIBRARY_ORDER`, the arm's own (``ORDER_ARMS``) or the alternation for the others."""
-    if arm in LIBRARY_ORDER:
+    round order for :data:`LIBRARY_ORDER` and :data:`DEMO_ARMS`, the arm's own (``ORDER_ARMS``) or the
+    alternation for the others."""
+    if arm in LIBRARY_ORDER or arm in DEMO_ARMS:
         return _planned(arm, lengths, seed)
     with _round_order(ORDER_ARMS.get(arm, "alternate"), seed):
         return _planned(arm, lengths, seed)
@@ -183,6 +202,8 @@ def _planned(arm: str, lengths: np.ndarray, seed: int):
     from evenflow.sim import Schedule, evenflow_schedule, global_schedule
 
     grouping = GroupingConfig(token_budget=4096)
+    if arm in ("group_by_length", "trl_packed"):
+        return _demo_arm(arm, lengths, grouping, seed)
     if arm == "counts":  # random samples, the default's samples per step
         counts = np.bincount(_schedule("default", lengths, seed).step)
         order = np.random.default_rng(seed + 10_000).permutation(len(lengths))
@@ -225,6 +246,8 @@ def _planned(arm: str, lengths: np.ndarray, seed: int):
         steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed, mix=policy).batches()
         return Schedule.from_steps([steps[i] for i in np.random.default_rng(seed + salt).permutation(len(steps))],
                                    2, name=arm)
+    if arm == "default_summed":
+        return global_schedule(lengths, world_size=2, grouping=replace(grouping, cost="summed"), seed=seed)
     if arm in ("packed", "packed_sorted"):  # padding-free packs of 4,096 tokens: dealt mixed, or the library's
         sys.path.insert(0, str(Path(__file__).parent))
         from mixed_packs import mixed_packing  # noqa: E402 - benchmarks/ is not a package
@@ -243,6 +266,43 @@ def _planned(arm: str, lengths: np.ndarray, seed: int):
         return evenflow_schedule(lengths, world_size=2, grouping=grouping, seed=seed)
     return global_schedule(lengths, world_size=2, grouping=grouping, seed=seed,
                            mix="cost_order" if arm == "today" else "stratified")  # default, default_nolr, today
+
+
+def _demo_arm(arm: str, lengths: np.ndarray, grouping, seed: int):
+    """The demo's HF arms as :mod:`evenflow.demo.steps` defines them (W = 2, the default's step count)."""
+    from evenflow.demo import steps as demo_steps
+    from evenflow.sim import Schedule, global_schedule
+
+    if arm == "trl_packed":
+        plan = demo_steps.pack_steps(demo_steps.trl_packs(lengths, grouping.token_budget), 2, seed)
+    else:
+        num_steps = global_schedule(lengths, world_size=2, grouping=grouping, seed=seed).num_steps
+        batch = demo_steps.largest_batch_size(lengths, num_steps, token_budget=grouping.token_budget, world_size=2,
+                                              seed=seed)
+        group = batch * demo_steps.hf_accumulation(len(lengths), num_steps, batch, 2)
+        plan = demo_steps.deal(demo_steps.length_grouped_steps(lengths, num_steps, group, seed), batch, 2)
+    return Schedule.from_steps([[[i for mb in rank for i in mb] for rank in step] for step in plan], 2, name=arm)
+
+
+def fingerprint(schedule) -> str:
+    """:func:`evenflow.demo.steps.schedule_fingerprint` of a schedule's non-empty steps."""
+    from evenflow.demo.steps import schedule_fingerprint
+
+    return schedule_fingerprint([s for s in ([i for g in step for i in g] for step in schedule.batches()) if s])
+
+
+def revision() -> str | None:
+    """The git revision the rows are trained at (``+dirty`` with uncommitted changes), or None outside a clone."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")) or None
 
 
 @contextmanager
@@ -310,7 +370,7 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
             group["lr"] = base_lr * factor
         # A padding-free pack is many sequences in one row; one sample at a time is the same loss (no sample
         # attends to another) without padding a mixed pack to its longest.
-        for g in ([[i] for g in step for i in g] if arm.startswith("packed") else step):
+        for g in ([[i] for g in step for i in g] if arm in PACKED else step):
             loss, _ = sum_loss(model, collate([prepared.train[i] for i in g]))
             (loss / tokens[k]).backward()
         if clip is not None:
@@ -328,7 +388,7 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
     tag = ({} if optimizer == "adamw" else {"optimizer": optimizer}) | ({} if warmup is None else {"warmup": warmup})
     return {"data": data, "arm": arm, "seed": seed, **tag, "heldout_loss": float(total[0] / total[1]),
             "optimizer_steps": len(steps), "padded_efficiency": round(int(prepared.lengths.sum()) / padded, 4),
-            **composition(schedule, prepared.lengths)}
+            **composition(schedule, prepared.lengths), "schedule": fingerprint(schedule), "revision": revision()}
 
 
 def composition(schedule, lengths: np.ndarray) -> dict:
@@ -371,10 +431,11 @@ def _by(rows: list[dict], key) -> dict:
 
 
 def _interval(diffs: np.ndarray) -> tuple[float, float]:
-    """95 % bootstrap interval of the mean of ``diffs`` (resampling seeds; seeded, so the report is stable)."""
-    rng = np.random.default_rng(0)
-    means = diffs[rng.integers(0, diffs.size, (BOOTSTRAP, diffs.size))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    """95 % bootstrap interval of the mean of ``diffs`` (resampling seeds; seeded, so the report is stable): the
+    demo's own (:func:`evenflow.demo.replay.paired_interval`), so the demo quotes what this script prints."""
+    from evenflow.demo.replay import paired_interval
+
+    return paired_interval(diffs)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -404,6 +465,7 @@ def _summarize_runs(by: dict) -> dict:
         got = [by[(arm, s)] for s in seeds if (arm, s) in by]
         if got:
             res["arms"][arm] = {"seeds": len(got), "heldout_loss": float(np.mean([r["heldout_loss"] for r in got])),
+                                "revisions": sorted({r.get("revision") or "unrecorded" for r in got}),
                                 **{k: float(np.mean([r[k] for r in got])) for k in
                                    ("optimizer_steps", "padded_efficiency", *COMPOSITION) if all(k in r for r in got)}}
     pairs = [(a, "fixed") for a in ARMS + CONTROL_ARMS if a != "fixed"]

@@ -5,7 +5,7 @@ JSON line last: ``{"speedup_vs_standard": {dataset: {method: x}}, "oracle_ratio"
 (simulated at 8 ranks, H100 cost model; methods containing ``evenflow`` are ours, ``odb`` is
 online-dynamic-batching 0.1.2). Budget: under 30 minutes on a 2-core CPU machine.
 
-    python benchmarks/run_all.py [--quick] [--skip-train] [--skip-gloo] [--skip-mllm]
+    python benchmarks/run_all.py [--quick] [--skip-train] [--skip-gloo] [--skip-mllm] [--skip-packing] [--skip-vlm]
 """
 
 from __future__ import annotations
@@ -29,11 +29,17 @@ import bench_gloo  # noqa: E402
 import bench_loader  # noqa: E402
 import bench_mllm  # noqa: E402
 import bench_moves  # noqa: E402
+import bench_packing  # noqa: E402
 import bench_sim  # noqa: E402
 import bench_train  # noqa: E402
+import bench_vlm  # noqa: E402
+import bench_vlm_sim  # noqa: E402
 import report  # noqa: E402
 
 RESULTS = HERE / "results"
+VLM_STEPS = 12
+"""Measured steps of the stock-VLM run in ``make bench`` (``bench_vlm.py`` defaults to 16): keeps issue 37's
+additions under 8 minutes on 2 cores."""
 
 
 def hardware() -> str:
@@ -265,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-mllm", action="store_true", help="skip the real-media multimodal orchestration run")
     ap.add_argument("--skip-moves", action="store_true", help="skip the sample-movement epochs (bench_moves)")
     ap.add_argument("--skip-global", action="store_true", help="skip the real 4-rank planning='global' rows")
+    ap.add_argument("--skip-packing", action="store_true", help="skip packed steps against TRL's packing")
+    ap.add_argument("--skip-vlm", action="store_true", help="skip the stock-VLM runs (issue 37: Omni thinker on real "
+                    "media, 4 gloo ranks; three modalities simulated at 8 / 64 / 2,560 ranks)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     date = datetime.date.today().isoformat()
@@ -339,6 +348,31 @@ def main(argv: list[str] | None = None) -> None:
             _log("sample-movement benchmark failed:\n" + traceback.format_exc())
         timings["moves"] = time.perf_counter() - ts
 
+    packing = None
+    if not args.skip_packing:
+        _log("packed steps balanced on time (issue 35): evenflow against TRL's pack_dataset and multipack ...")
+        ts = time.perf_counter()
+        try:
+            packing = bench_packing.run(quick=args.quick)
+        except Exception:  # noqa: BLE001
+            _log("packing benchmark failed:\n" + traceback.format_exc())
+        timings["packing"] = time.perf_counter() - ts
+
+    vlm = None
+    if not args.skip_vlm:
+        _log("stock VLMs (issue 37): the Omni thinker on real media, 4 gloo ranks; simulated at 8 / 64 / 2,560 ...")
+        ts = time.perf_counter()
+        vlm = {}
+        try:
+            vlm["real"] = bench_vlm.run(quick=args.quick, steps=VLM_STEPS)
+        except Exception:  # noqa: BLE001
+            _log("stock-VLM benchmark failed:\n" + traceback.format_exc())
+        try:
+            vlm["sim"] = bench_vlm_sim.run(quick=args.quick)
+        except Exception:  # noqa: BLE001
+            _log("stock-VLM simulation failed:\n" + traceback.format_exc())
+        timings["vlm"] = time.perf_counter() - ts
+
     latency = None
     _log("planner latency: plan_balance (64 / 2,560 ranks x 32) and the global round plan (64 x 4,096) ...")
     ts = time.perf_counter()
@@ -372,6 +406,11 @@ def main(argv: list[str] | None = None) -> None:
     md.append(bench_composition.markdown(composition) if composition else "Not run (or failed; see the log).")
     md += ["", "## Samples moved by global planning (issue 19)", ""]
     md.append(bench_moves.markdown(moves) if moves else "Not run (or failed; see the log).")
+    md += ["", "## Packed steps against TRL's packing (issue 35)", ""]
+    md.append(packing["markdown"] if packing else "Not run (or failed; see the log).")
+    md += ["", "## Stock VLMs: audio, splitting, fitted costs, at scale (issue 37)", ""]
+    vlm_parts = [m.markdown(vlm[k]) for k, m in (("real", bench_vlm), ("sim", bench_vlm_sim)) if k in (vlm or {})]
+    md.append("\n\n".join(vlm_parts) or "Not run (or failed; see the log).")
     md += ["", "## Planner latency (issue 12, item 4)", ""]
     md.append(latency_markdown(latency) if latency else "Not run (or failed; see the log).")
     md += ["", "## Not covered", "",
@@ -389,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(RESULTS / f"{stem}.json", "w") as f:
         json.dump({"sim": {k: v for k, v in sim.items() if not k.startswith("_")}, "gloo": gloo, "train": train,
                    "mllm": mllm, "real_4ranks": planning, "composition": composition, "moves": moves,
-                   "timings_s": timings}, f,
+                   "packing": packing, "vlm": vlm, "timings_s": timings}, f,
                   default=str)
     _log(f"wrote {path} in {timings['total'] / 60:.1f} min")
     line = dict(sim["json"])
@@ -407,6 +446,14 @@ def main(argv: list[str] | None = None) -> None:
         line["planner_latency_cpu_ms"] = {k: round(v, 2) for k, v in latency_summary(latency).items()}
         line["stratified_vs_cost_order_plan_ratio"] = {k: round(v["ratio_median"], 3)
                                                         for k, v in latency["global_mix"].items()}
+    if packing:
+        line["packing"] = packing["summary"]
+    if vlm and "real" in vlm:
+        line["vlm_split_plan_imbalance"] = {p: vlm["real"]["split"][p]["plan_imbalance"] for p in vlm["real"]["phases"]}
+    if vlm and "sim" in vlm:
+        line["vlm_sim_2560_split"] = {p: vlm["sim"]["worlds"]["2560"]["split"][p]["imbalance"]
+                                      for p in bench_vlm_sim.PHASES}
+        line["vlm_sim_plan_routing_ms"] = vlm["sim"]["timing_2560"]["default"]["cpu"]["median_ms"]
     if moves:
         line["moves_global_kib_per_step"] = {k: round(v["global"]["moved_bytes_per_step"] / 1024, 1)
                                              for k, v in moves["kinds"].items()}

@@ -15,10 +15,10 @@ import argparse
 import os
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 
 import evenflow
-from evenflow.integrations import StepMetrics, destroy_process_groups
+from evenflow.integrations import StepMetrics
 from evenflow.integrations.accelerate import LoaderCheckpoint, device_batches, sync_window
 from _tiny import RandomChat, tiny_llama
 
@@ -77,12 +77,13 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save-at", type=int, default=6)
     cli = parser.parse_args()
-    try:
-        out = train(resume=cli.resume, save_at=cli.save_at)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"done: {len(out['windows'])} optimizer steps in this run")
-    finally:
-        destroy_process_groups()  # the loader's gloo group too, while the interpreter is alive
+    out = train(resume=cli.resume, save_at=cli.save_at)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {len(out['windows'])} optimizer steps in this run")
+    # The end of an Accelerate script (what accelerator.end_training() does, trackers aside): the process group
+    # Accelerate started is destroyed, so the window gather above is not left to race the interpreter's exit.
+    # evenflow itself needs no call (docs/failures.md, "Exit codes").
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import evenflow
-from evenflow.integrations import StepMetrics, destroy_process_groups, eval_loader, evaluate_loss
+from evenflow.integrations import StepMetrics, eval_loader, evaluate_loss
 from _tiny import RandomChat, TinyCausalLM
 
 
@@ -102,7 +102,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"done: {len(out['windows'])} optimizer steps, eval loss {out['eval']['loss']:.4f}")
     finally:
-        destroy_process_groups()  # the loaders' groups too, before interpreter exit
+        dist.destroy_process_group()  # the pair of init_process_group (evenflow needs no teardown call)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import evenflow
-from evenflow.integrations import StepMetrics, destroy_process_groups, dp_process_group
+from evenflow.integrations import StepMetrics, dp_process_group
 from _tiny import RandomChat, TinyCausalLM
 
 
@@ -82,7 +82,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"done: {len(out['windows'])} optimizer steps on dp rank {out['dp_rank']} of {out['dp_size']}")
     finally:
-        destroy_process_groups()  # the loaders' groups too, before interpreter exit
+        dist.destroy_process_group()  # the pair of init_process_group (evenflow needs no teardown call)
 
 
 if __name__ == "__main__":

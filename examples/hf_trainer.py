@@ -16,7 +16,6 @@ import argparse
 import torch
 from transformers import TrainingArguments
 
-from evenflow.integrations import destroy_process_groups
 from evenflow.integrations.hf import DynamicBatchTrainer
 from _tiny import RandomChat, tiny_llama
 
@@ -41,9 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        # After main() returns: the trainer, its DDP model and the loaders sit in reference cycles that hold gloo
-        # groups; left to interpreter exit, their teardown can abort the process (see destroy_process_groups).
-        destroy_process_groups()
+    main()

@@ -22,7 +22,6 @@ import torch
 import torchmetrics
 
 import evenflow
-from evenflow.integrations import destroy_process_groups
 from evenflow.integrations.lightning import (DynamicBatchDataModule, EvenflowCallback, EvenflowModule,
                                             EvenflowProgressBar, training_loss)
 from _tiny import RandomChat, tiny_llama
@@ -74,13 +73,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume", default=None, help="a Lightning checkpoint (.ckpt)")
     cli = parser.parse_args()
-    try:
-        trainer = fit(epochs=cli.epochs, ckpt_path=cli.resume)
-        if trainer.is_global_zero:
-            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            print("done:", trainer.global_step, "optimizer steps;", metrics)
-    finally:
-        destroy_process_groups()  # the loader's gloo group too, while the interpreter is alive
+    trainer = fit(epochs=cli.epochs, ckpt_path=cli.resume)
+    if trainer.is_global_zero:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        print("done:", trainer.global_step, "optimizer steps;", metrics)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from evenflow.balance.orchestrator import GlobalOrchestrator
 from evenflow.data import QwenChatTokenizer, chitchat_conversations
 from evenflow.data.audio import AUDIO_PAD_ID
 from evenflow.data.multimodal import MediaCollate, MediaMix, MultimodalChatDataset
-from evenflow.integrations import destroy_process_groups
 from evenflow.models import (TinyMLLM, TokenFold, example_from_sample, orchestrated_step, orchestrator_config,
                              real_media_config)
 
@@ -111,7 +110,7 @@ def main() -> None:
             print(json.dumps({"mode": args.mode, "steps": len(records), "final_loss": records[-1]["loss"],
                               "wall_s": round(time.perf_counter() - t0, 2)}))
     finally:
-        destroy_process_groups()  # the loaders' groups too, before interpreter exit
+        dist.destroy_process_group()  # the pair of init_process_group (evenflow needs no teardown call)
 
 
 if __name__ == "__main__":

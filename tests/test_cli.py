@@ -89,6 +89,10 @@ def test_profile_chitchat_subset(capsys, tmp_path):
     assert report["budget"]["dynamic_steps"] <= report["budget"]["fixed_steps"]
     assert (tmp_path / "profile_chitchat.png").stat().st_size > 1000
     assert json.loads((tmp_path / "profile_chitchat.json").read_text())["dataset"] == "chitchat"
+    # issue 35: the time cost a summed loader balances, and attention's share of a sequence at these lengths
+    assert "f(L) = L + L^2 / 24,576 (summed)" in out and "attention's share" in out
+    share = report["time_cost"]["attention_share"]
+    assert share["max"] == pytest.approx(report["profile"]["max"] / (24576 + report["profile"]["max"]))
 
 
 @needs_demo_extra
@@ -192,6 +196,9 @@ def test_profile_budget_from_a_model_config(tmp_path, capsys):
     want = recommend_token_budget(shape, 24 * 2**30).token_budget
     assert report["budget"]["token_budget"] == report["memory_model"]["token_budget"] == want
     assert want != 24 and "memory model" in out  # a real model, not an echo of an input
+    from evenflow.planning import TimeCost
+
+    assert report["time_cost"]["summed"] == TimeCost.from_model(config).describe()  # issue 35: this model's FLOPs
     with pytest.raises(SystemExit):
         cli.main(["profile", "--dataset", str(paths["jsonl"]), "--model-config", str(tmp_path / "config.json")])
     assert "--memory-gb" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""The demo's parts, each against a hand-computed answer: the matching dry run, the schedule, the ABBA chunks,
-the losses (padded and packed), time to target and the verdict. The quick run end to end is in test_readme.py."""
+"""The demo's parts, each against a hand-computed answer: the arms' steps (HF, group_by_length, TRL's packs), the
+dry run, the ABBA chunks, the losses (padded, packed, the per-sequence attention), the one throughput figure,
+time to target, the replay's verdict and the printed table. The quick run end to end is in test_readme.py."""
 
 from __future__ import annotations
 
@@ -10,30 +11,39 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.demo import ARMS, DemoConfig, quick_config, schedule_factor
+from evenflow.demo import ARMS, REFERENCE, DemoConfig, quick_config, schedule_factor
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
+HAS_TRL = HAS_HF and importlib.util.find_spec("trl") is not None
+needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs transformers (the demo extra)")
+needs_trl = pytest.mark.skipif(not HAS_TRL, reason="needs trl (the trl extra)")
 
 
 def test_doctests():
+    import evenflow.demo.replay as replay
     import evenflow.demo.report as report
+    import evenflow.demo.steps as steps
     import evenflow.demo.train as train
-    assert doctest.testmod(report).failed == 0 and doctest.testmod(train).failed == 0
+    for module in (report, train, steps, replay):
+        assert doctest.testmod(module).failed == 0, module.__name__
+    if HAS_HF:
+        import evenflow.demo.attention as attention
+        assert doctest.testmod(attention).failed == 0
 
 
-@pytest.mark.parametrize("bad", [dict(arms=("evenflow",)), dict(arms=("fixed",)), dict(arms=("fixed", "evenflow", "x")),
-                                 dict(arms=("fixed", "evenflow", "fixed")), dict(rounds=0), dict(warmup_fraction=1.0),
-                                 dict(final_lr_fraction=0.0), dict(reference_tokens=0), dict(token_budget=100),
-                                 dict(base_lr=float("nan"))])
+@pytest.mark.parametrize("bad", [dict(arms=("evenflow",)), dict(arms=("hf_default", "x")),
+                                 dict(arms=("hf_default", "evenflow", "hf_default")), dict(rounds=0),
+                                 dict(warmup_fraction=1.0), dict(final_lr_fraction=0.0), dict(reference_tokens=0),
+                                 dict(token_budget=100), dict(base_lr=float("nan"))])
 def test_config_refuses(bad):
     with pytest.raises(ValueError):
         DemoConfig(**bad)
 
 
-def test_quick_config_keeps_five_rounds_and_every_arm():
-    q = quick_config()
-    assert q.rounds >= 5 and q.arms == ARMS and q.train_samples < DemoConfig().train_samples
-    assert "evenflow_summed" not in DemoConfig().arms  # too slow on CPU for make demo's ~5 minutes
+def test_the_five_arms_run_in_make_demo_and_quick():
+    assert ARMS == ("hf_default", "group_by_length", "trl_packing", "evenflow", "evenflow_summed")
+    assert DemoConfig().arms == ARMS == quick_config().arms and REFERENCE == "hf_default"
+    assert quick_config().rounds >= 5 and quick_config().train_samples < DemoConfig().train_samples
 
 
 def test_schedule_warms_up_then_decays_to_its_floor_in_optimizer_steps():
@@ -53,7 +63,63 @@ def test_chunks_cover_the_epoch_and_the_last_drains():
         assert sum(sizes[:-1]) == round(total * (rounds - 1) / rounds)
 
 
-def test_matching_sizes_accumulation_from_the_dry_run():
+# -- the arms' steps ---------------------------------------------------------------------------------------------
+
+def test_hf_steps_by_hand():
+    from evenflow.demo import steps
+
+    parts = steps.matched_random_steps(10, 3, seed=0)
+    assert [len(p) for p in parts] == [4, 3, 3] and sorted(np.concatenate(parts).tolist()) == list(range(10))
+    # micro-batches of 2 dealt round-robin: batch k of a step to rank k mod 2; a short rank gets fewer
+    assert steps.deal([np.array([1, 2, 3, 4, 5])], 2, 2) == [[[[1, 2], [5]], [[3, 4]]]]
+    lengths = np.array([100, 100, 100, 100, 100, 100, 100, 500])
+    # 4 x 100 fits 500, but any batch holding the 500-token sample pads to 500 x its size: only batch 1 fits
+    assert steps.largest_batch_size(lengths, 2, token_budget=500, world_size=2, seed=0) == 1
+    assert steps.largest_batch_size(lengths[:-1], 1, token_budget=400, world_size=2, seed=0) == 4
+    assert steps.peak_tokens([[[[0, 7]], []]], lengths) == 1000
+    assert steps.peak_tokens([[[[0, 7]], []]], lengths, "summed") == 600
+    # 1,000 samples, 117 steps, batch 1, 2 ranks: 4.27 samples per rank -> a user sets 4 (125 steps)
+    assert steps.hf_accumulation(1000, 117, 1, 2) == 4
+
+
+@needs_hf
+def test_length_grouped_steps_are_hfs_order_cut_into_steps():
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    from evenflow.demo import steps
+
+    lengths = np.random.default_rng(1).integers(5, 300, 90)
+    order = get_length_grouped_indices(lengths.tolist(), 8, generator=torch.Generator().manual_seed(3))
+    parts = steps.length_grouped_steps(lengths, 11, 8, seed=3)
+    assert np.concatenate(parts).tolist() == order and len(parts) == 11
+
+
+@needs_trl
+def test_trl_packs_are_pack_datasets_own():
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    from evenflow.demo import steps
+
+    lengths = np.random.default_rng(2).integers(1, 60, 40)
+    packs = steps.trl_packs(lengths, 100)
+    # TRL on real-looking token columns: the same rows, sample by sample (token j of sample i is 1000 i + j)
+    real = pack_dataset(Dataset.from_dict({"input_ids": [[1000 * i + j for j in range(n)] for i, n in
+                                                         enumerate(lengths)]}), 100, strategy="bfd")
+    assert [[int(row["input_ids"][s]) // 1000 for s in np.cumsum([0, *row["seq_lengths"][:-1]])]
+            for row in real] == packs
+    assert sorted(i for p in packs for i in p) == list(range(40)) and max(lengths[p].sum() for p in packs) <= 100
+    plan = steps.pack_steps(packs, 2, seed=0)
+    assert len(plan) == -(-len(packs) // 2) and all(len(step) == 2 for step in plan)
+    assert sorted(tuple(mb) for step in plan for rank in step for mb in rank) == sorted(map(tuple, packs))
+    if len(packs) % 2:
+        assert plan[-1][1] == []  # the last step's second rank is IDLE
+    with pytest.raises(ValueError, match="would truncate"):
+        steps.trl_packs(np.array([150]), 100)
+
+
+@needs_trl
+def test_dry_run_plans_every_arm():
     from evenflow.demo.plan import match_arms
     from evenflow.planning import GroupingConfig
     from evenflow.sim import global_schedule
@@ -63,119 +129,27 @@ def test_matching_sizes_accumulation_from_the_dry_run():
     lengths[0] = 1024
     cfg = DemoConfig(train_samples=400, cutoff=1024, token_budget=1024)
     m = match_arms(cfg, lengths, loss_tokens=lengths // 2)
-    # the loader's defaults at 2 ranks resolve to global planning: the dry run plans with it
     steps = global_schedule(lengths, world_size=2, grouping=GroupingConfig(token_budget=1024)).num_steps
-    assert m.planning == "global" and m.evenflow_steps == steps and m.fixed_batch_size == 1
-    # every arm's planned composition is reported; random fixed batches are as mixed as random (H_g ~ 1)
-    assert set(m.composition) == {"evenflow", "evenflow_sqrt_lr", "evenflow_summed", "fixed", "group_by_length"}
-    assert 0.6 < m.composition["fixed"]["H_g"] < 1.5 and m.composition["group_by_length"]["H_g"] > 2
-    assert m.accumulation == max(1, round(400 / steps / 2))
-    assert m.fixed_steps == -(-200 // m.accumulation)
+    assert m.planning == "global" and m.evenflow_steps == steps and m.batch_size == 1
+    assert m.hf_accumulation == round(400 / steps / 2) and m.hf_integer_steps == -(-200 // m.hf_accumulation)
+    # the HF arms take exactly evenflow's steps (the issue asks +-1 %); the summed arms pack at least as tightly
+    assert m.arms["hf_default"].optimizer_steps == m.arms["group_by_length"].optimizer_steps == steps
+    assert m.arms["evenflow_summed"].optimizer_steps <= steps and m.arms["trl_packing"].layout == "summed"
+    for name, plan in m.arms.items():
+        trained = sorted(i for step in plan.per_rank for rank in step for mb in rank for i in mb)
+        assert trained == list(range(400)), name  # every sample exactly once
+        assert plan.peak_tokens <= 1024, name
+        assert len(plan.per_rank) == plan.optimizer_steps and set(plan.composition) >= {"H_g", "late", "rough"}
+    lo, hi = m.arms["hf_default"].micro_batches_range
+    assert hi - lo <= 1 and lo <= 400 / steps / 2 <= hi
+    assert m.arms["group_by_length"].composition["H_g"] > 1.5 > m.arms["hf_default"].composition["H_g"]
     assert m.reference_tokens == round(int((lengths // 2).sum()) / steps)
-    assert m.summed_steps <= m.evenflow_steps  # summed cost packs at least as tightly
-    assert match_arms(DemoConfig(train_samples=400, cutoff=1024, token_budget=1024, reference_tokens=77),
-                      lengths, lengths // 2).reference_tokens == 77
+    assert "per_rank" not in m.as_dict()["arms"]["evenflow"]
 
 
-def _chunk(samples, wall, heldout, real_tokens=None):
-    tokens = 60 * samples if real_tokens is None else real_tokens
-    return {"samples": samples, "wall_s": wall, "heldout": heldout, "steps": 1, "load1": 1.0, "real_tokens": tokens}
+# -- losses and attention --------------------------------------------------------------------------------------
 
-
-def _raw(chunks, records, lrs=(1e-3,)):
-    return {"chunks": chunks, "per_rank_steps": records, "optimizer_steps": len(lrs), "planned_steps": len(lrs),
-            "lrs": list(lrs)}
-
-
-def test_summarize_arm_metrics():
-    from evenflow.demo.report import summarize_arm
-
-    def rec(samples, real, padded, cpu):
-        return {"samples": samples, "real": real, "padded": padded, "cpu_s": cpu, "loss_tokens": 1, "loss_sum": 1.0}
-
-    # 240 real tokens in 4 samples: 60 tokens per sample. Chunk rates are tokens/s x 4/240 samples per token.
-    raw = _raw([_chunk(2, 1.0, 5.0, 120), _chunk(2, 0.5, 4.0, 120), _chunk(0, 0.1, 4.0, 0)],
-               [[rec(2, 90, 100, 1.0), rec(1, 50, 50, 0.5)], [rec(1, 100, 100, 2.0), rec(0, 0, 50, 0.1)]])
-    s = summarize_arm(raw, initial_heldout=6.0)
-    assert (s["micro_batches_per_rank"], s["samples"], s["real_tokens"], s["padded_tokens"]) == (2, 4, 240, 300)
-    assert s["samples_per_s_per_round"] == [2.0, 4.0]  # an empty chunk is no throughput sample
-    assert s["samples_per_s"] == 3.0 and s["padded_efficiency"] == pytest.approx(0.8)
-    assert s["tokens_per_s"] == pytest.approx(3.0 * 240 / 4)
-    assert s["mean_rank_imbalance"] == pytest.approx(1.0)  # padded costs [100, 100] then [50, 50]
-    assert s["critical_path_cpu_s"] == pytest.approx(2.5) and s["idle_batches"] == 1
-    assert s["curve"]["samples"] == [0, 2, 4, 4] and s["curve"]["heldout_loss"] == [6.0, 5.0, 4.0, 4.0]
-    assert s["heldout_loss"] == 4.0
-    # The rate follows a chunk's tokens, not its sample count: 1 long sample or 3 short ones in the same tokens
-    # and time are the same throughput (NOTE [ Time model ]).
-    raw["chunks"][:2] = [_chunk(1, 1.0, 5.0, 120), _chunk(3, 0.5, 4.0, 120)]
-    assert summarize_arm(raw, initial_heldout=6.0)["samples_per_s_per_round"] == [2.0, 4.0]
-    raw["per_rank_steps"][1].pop()
-    with pytest.raises(ValueError, match="not aligned"):
-        summarize_arm(raw, initial_heldout=6.0)
-
-
-def _arm(rates, curve_samples, curve_loss, critical=10.0):
-    return {"samples_per_s_per_round": rates, "samples_per_s": float(np.median(rates)), "heldout_loss": curve_loss[-1],
-            "critical_path_cpu_s": critical, "optimizer_steps": 10,
-            "curve": {"samples": curve_samples, "heldout_loss": curve_loss}}
-
-
-def test_time_to_target_and_verdict_by_hand():
-    from evenflow.demo.report import add_time_to_target, verdict
-
-    arms = {"fixed": _arm([10.0] * 5, [0, 50, 100], [6.0, 5.0, 4.5], critical=20.0),
-            "group_by_length": _arm([12.0] * 5, [0, 50, 100], [6.0, 5.1, 4.6]),
-            "evenflow": _arm([20.0] * 5, [0, 50, 100], [6.0, 4.5, 4.4])}
-    target = add_time_to_target(arms)
-    assert target == 4.5
-    assert arms["fixed"]["time_to_target_s"] == pytest.approx(10.0)  # its whole epoch: 100 samples at 10/s
-    assert arms["evenflow"]["samples_to_target"] == pytest.approx(50.0)
-    assert arms["evenflow"]["time_to_target_s"] == pytest.approx(2.5)
-    assert arms["group_by_length"]["time_to_target_s"] is None  # never reaches 4.5
-    v = verdict(arms, load={"cores": 4, "load1_during": [1.5, 2.0]}, world_size=2)
-    assert v["throughput_ratio"]["median"] == pytest.approx(2.0) and v["throughput_ratio"]["repeats"] == 5
-    assert v["time_to_target_ratio"]["median"] == pytest.approx(0.25)
-    assert v["critical_path_ratio"] == pytest.approx(2.0)
-    assert v["best_fixed_arm"] == "fixed" and v["heldout_gap_vs_best_fixed"] == pytest.approx(-0.1)
-    assert v["goals"] == {"heldout_within_0.03_of_best_fixed": True, "time_to_target_at_most_0.7x_fixed": True}
-    assert v["warnings"] == [] and v["reliable"]
-
-
-def test_verdict_reports_unmet_goals_and_warns_on_load():
-    from evenflow.demo.report import add_time_to_target, verdict
-
-    arms = {"fixed": _arm([10.0, 10.0, 5.0, 10.0, 10.0], [0, 100], [6.0, 4.5]),
-            "evenflow": _arm([11.0, 9.0, 10.0, 12.0, 11.0], [0, 100], [6.0, 4.6])}
-    add_time_to_target(arms)
-    v = verdict(arms, load={"cores": 2, "load1_during": [2.2, 7.5]}, world_size=2)
-    assert v["time_to_target_ratio"] is None and v["heldout_gap_vs_best_fixed"] == pytest.approx(0.1)
-    assert v["goals"] == {"heldout_within_0.03_of_best_fixed": False, "time_to_target_at_most_0.7x_fixed": False}
-    assert not v["reliable"] and any("load average reached 7.5" in w for w in v["warnings"])
-    assert any("ranged 0.90-2.00x" in w for w in v["warnings"])
-
-
-def test_table_states_goals_and_time_model():
-    from evenflow.demo.render import format_table
-    from evenflow.demo.report import add_time_to_target, summarize_arm, verdict
-
-    rec = {"samples": 1, "real": 10, "padded": 10, "cpu_s": 0.1, "loss_tokens": 1, "loss_sum": 1.0}
-    mix = {"fixed": {"H": 1.0, "H_g": 0.98, "late": 0.26, "q_cv": 0.05, "rough": 1.01},
-           "evenflow": {"H": 0.5, "H_g": 0.71, "late": 0.24, "q_cv": 0.02, "rough": 0.08}}
-    arms = {name: {**summarize_arm(_raw([_chunk(2, 1.0, h1), _chunk(2, 1.0, h2)], [[rec] * 4, [rec] * 4]), 6.0),
-                   "composition": mix[name]}
-            for name, h1, h2 in (("fixed", 5.0, 4.5), ("evenflow", 4.8, 4.52))}
-    add_time_to_target(arms)
-    v = verdict(arms, load={"cores": 2, "load1_during": [2.0]}, world_size=2)
-    text = format_table(arms, v, batch_size=1, accumulation=4, lr_text="square-root scaling ...")
-    for phrase in ("samples/s (median)", "held-out loss / token", "time to target (s)", "never",
-                   "than fixed batching (median of 2 ABBA-interleaved rounds", "goal within 0.03: met",
-                   "time to quality: evenflow never reached", "time model:", "x 4 accumulation",
-                   "step mix H_g (<= 1: mixed)", "0.71", "longest tenth in last 1/4", "step composition (planned",
-                   "step-to-step change, rough", "0.08"):
-        assert phrase in text, phrase
-
-
-@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the demo extra)")
+@needs_hf
 def test_loss_matches_masked_reference_and_backpropagates_empty_batches():
     import torch.nn.functional as F
 
@@ -201,44 +175,211 @@ def test_loss_matches_masked_reference_and_backpropagates_empty_batches():
     assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for p in model.parameters())
 
 
-@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the demo extra)")
-def test_packed_batch_loss_equals_the_samples_one_by_one():
-    """The summed arm is in the demo only because this holds: no attention across packed samples."""
-    from evenflow.demo.train import build_model, sum_loss
-    from evenflow.runtime import FlatCollate
-
-    model = build_model(DemoConfig(hidden_size=32, intermediate_size=64, num_layers=2), 97)
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for n in (7, 12, 5, 9):
+def _samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
         ids = torch.randint(1, 97, (n,), generator=g)
         labels = ids.clone()
         labels[:2] = -100
-        samples.append({"input_ids": ids, "labels": labels})
-    alone = [sum_loss(model, {k: v[None] for k, v in s.items()}) for s in samples]
-    packed, n = sum_loss(model, FlatCollate()(samples))
-    assert n == sum(t for _, t in alone)
-    assert packed.item() == pytest.approx(sum(loss.item() for loss, _ in alone), rel=1e-5)
-    shuffled = FlatCollate()([samples[2], samples[0], samples[3], samples[1]])
-    assert sum_loss(model, shuffled)[0].item() == pytest.approx(packed.item(), rel=1e-5)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
 
 
-@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the demo extra)")
-def test_group_by_length_deals_hf_order_round_robin():
-    from transformers.trainer_pt_utils import get_length_grouped_indices
+@needs_trl
+def test_packed_rows_lose_what_the_samples_lose_one_by_one():
+    """TRL's row and evenflow's are the same row; its loss is the samples' one by one, under stock sdpa (a dense
+    block-diagonal mask) and under the demo's per-sequence attention, gradients included."""
+    from evenflow.demo.arms import TrlPackCollate
+    from evenflow.demo.attention import register
+    from evenflow.demo.train import build_model, sum_loss
+    from evenflow.runtime import FlatCollate, PadCollate
 
-    from evenflow.demo.arms import _fixed_loader
-    from evenflow.demo.plan import Matching
+    cfg = DemoConfig(hidden_size=32, intermediate_size=64, num_layers=2)
+    samples = _samples((7, 12, 5, 9))
+    trl, flat = TrlPackCollate()(samples), FlatCollate()(samples)
+    assert all(torch.equal(trl[k], flat[k]) for k in ("input_ids", "labels", "position_ids"))
+    stock, segments = build_model(cfg, 97), build_model(cfg, 97, attention=register())
+    alone = [sum_loss(stock, {k: v[None] for k, v in s.items()}) for s in samples]
+    for batch in (trl, PadCollate(pad_token_id=0)(samples)):
+        (a, n), (b, m) = sum_loss(stock, batch), sum_loss(segments, batch)
+        assert n == m == sum(t for _, t in alone)
+        assert a.item() == pytest.approx(sum(x.item() for x, _ in alone), rel=1e-5) and b.item() == pytest.approx(
+            a.item(), rel=1e-5)
+        stock.zero_grad()
+        segments.zero_grad()
+        a.backward()
+        b.backward()
+        for p, q in zip(stock.parameters(), segments.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_hf
+def test_segment_attention_refuses_a_mask():
+    from evenflow.demo.attention import segment_causal_attention
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="no mask"):
+        segment_causal_attention(None, q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+@needs_hf
+def test_planned_windows_follow_the_plan_and_fill_an_empty_rank_with_idle(tmp_path):
+    """A rank's share of a step, in micro-batches, and an IDLE placeholder where it has none; the window's
+    token count is the step's supervised tokens (one rank here: the all_reduce is the identity)."""
+    import torch.distributed as dist
+
+    from evenflow.demo.arms import _planned_windows
+    from evenflow.runtime import PadCollate
 
     class Data:
-        lengths = np.array([5, 40, 7, 33, 12, 3, 28, 9, 17])
-        train = [{"input_ids": torch.ones(int(n), dtype=torch.long), "labels": torch.ones(int(n), dtype=torch.long)}
-                 for n in lengths]
+        train = _samples((6, 9, 4))
 
-    m = Matching(fixed_batch_size=1, accumulation=2, evenflow_steps=3, summed_steps=3, evenflow_samples_per_step=3,
-                 fixed_steps=3, reference_tokens=10)
-    cfg = DemoConfig(num_workers=0, seed=3)
-    order = get_length_grouped_indices(Data.lengths.tolist(), 2, generator=torch.Generator().manual_seed(3))
-    dealt = [[int(b["input_ids"].shape[1]) for b in _fixed_loader("group_by_length", Data, cfg, m, r)] for r in (0, 1)]
-    padded = order + order[:1]  # 9 batches on 2 ranks: the short rank refills from the start (even_batches)
-    assert dealt == [[int(Data.lengths[i]) for i in padded[r::2]] for r in (0, 1)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        windows = list(_planned_windows([[[0, 1], [2]], []], Data, DemoConfig(num_workers=0),
+                                        PadCollate(pad_token_id=0)))
+    finally:
+        dist.destroy_process_group()
+    assert [len(w.micros) for w in windows] == [2, 1] and windows[1].micros[0].idle
+    assert [m.samples for m in windows[0].micros] == [2, 1] and windows[0].global_samples == 3
+    assert windows[0].global_tokens == sum(int((s["labels"][1:] != -100).sum()) for s in Data.train)
+    assert windows[1].global_tokens == windows[1].global_samples == 0
+
+
+# -- metrics, time to target, verdict ---------------------------------------------------------------------------
+
+def _chunk(samples, wall, heldout, real_tokens=None):
+    tokens = 60 * samples if real_tokens is None else real_tokens
+    return {"samples": samples, "wall_s": wall, "heldout": heldout, "steps": 1, "load1": 1.0, "real_tokens": tokens}
+
+
+def _rec(step, samples, real, padded, cpu):
+    return {"step": step, "samples": samples, "real": real, "padded": padded, "cpu_s": cpu, "loss_tokens": 1,
+            "loss_sum": 1.0}
+
+
+def _raw(chunks, records, lrs=(1e-3,)):
+    return {"chunks": chunks, "per_rank_steps": records, "optimizer_steps": len(lrs), "planned_steps": len(lrs),
+            "lrs": list(lrs)}
+
+
+def test_summarize_arm_metrics():
+    from evenflow.demo.report import summarize_arm
+
+    # rank 0 takes 2 micro-batches in step 0 and rank 1 one (8 or 9 samples dealt to 2 ranks): still aligned
+    records = [[_rec(0, 1, 40, 50, 0.4), _rec(0, 1, 50, 50, 0.6), _rec(1, 1, 50, 50, 0.5)],
+               [_rec(0, 1, 100, 100, 2.0), _rec(1, 0, 0, 0, 0.1)]]
+    raw = _raw([_chunk(2, 1.0, 5.0, 120), _chunk(2, 0.5, 4.0, 120), _chunk(0, 0.1, 4.0, 0)], records, lrs=(1, 2))
+    s = summarize_arm(raw, initial_heldout=6.0)
+    assert (s["samples"], s["real_tokens"], s["padded_tokens"], s["peak_tokens"]) == (4, 240, 250, 100)
+    assert s["tokens_per_s_per_round"] == [120.0, 240.0]  # an empty chunk is no throughput sample
+    assert s["tokens_per_s"] == 180.0 and (s["tokens_per_s_min"], s["tokens_per_s_max"]) == (120.0, 240.0)
+    assert s["mean_rank_imbalance"] == pytest.approx((1.0 + 50 / 25) / 2)  # steps cost [100, 100] then [50, 0]
+    assert s["critical_path_cpu_s"] == pytest.approx(2.0 + 0.5) and s["idle_batches"] == 1
+    assert s["micro_batches_per_rank"] == 2.5
+    assert s["curve"]["real_tokens"] == [0, 120, 240, 240] and s["curve"]["heldout_loss"] == [6.0, 5.0, 4.0, 4.0]
+    assert s["curve"]["seconds"] == pytest.approx([0, 120 / 180, 240 / 180, 240 / 180])
+    assert s["heldout_loss"] == 4.0
+    raw["per_rank_steps"][1].pop()
+    with pytest.raises(ValueError, match="not aligned"):
+        summarize_arm(raw, initial_heldout=6.0)
+
+
+def _arm(rate, tokens, losses):
+    return {"tokens_per_s": rate, "heldout_loss": losses[-1], "curve": {"real_tokens": tokens, "heldout_loss": losses}}
+
+
+def _comparison(arm, ci=None, seeds=20, reason=""):
+    from evenflow.demo.replay import Comparison, word
+    return Comparison(arm, arm, seeds, None if ci is None else sum(ci) / 2, ci,
+                      "no interval" if ci is None else word(ci), reason).as_dict()
+
+
+def test_time_to_target_and_verdict_by_hand():
+    from evenflow.demo.report import add_time_to_target, verdict
+
+    arms = {"hf_default": _arm(10.0, [0, 50, 100], [6.0, 5.0, 4.5]),
+            "group_by_length": _arm(12.0, [0, 50, 100], [6.0, 5.1, 4.6]),
+            "evenflow": _arm(20.0, [0, 50, 100], [6.0, 4.5, 4.4])}
+    assert add_time_to_target(arms) == 4.5
+    assert arms["hf_default"]["time_to_target_s"] == pytest.approx(10.0)  # its whole epoch: 100 tokens at 10/s
+    assert arms["evenflow"]["tokens_to_target"] == pytest.approx(50.0)
+    assert arms["evenflow"]["time_to_target_s"] == pytest.approx(2.5)
+    assert arms["group_by_length"]["time_to_target_s"] is None  # never reaches 4.5
+    comparisons = {"group_by_length": _comparison("group_by_length", (0.01, 0.03)),
+                   "evenflow": _comparison("evenflow", (-0.01, 0.02))}
+    v = verdict(arms, comparisons, load={"cores": 4, "load1_during": [1.5, 2.0]}, world_size=2, rows_commit="abc")
+    assert v["arms"]["evenflow"]["speed_vs_reference"] == pytest.approx(2.0)
+    assert v["arms"]["evenflow"]["time_to_target_vs_reference"] == pytest.approx(0.25)
+    assert v["arms"]["evenflow"]["heldout_gap_this_run"] == pytest.approx(-0.1)
+    assert v["arms"]["group_by_length"]["replay"]["verdict"] == "worse" and v["arms"]["hf_default"]["replay"] is None
+    assert v["warnings"] == [] and v["reliable"]
+    v = verdict(arms, comparisons, load={"cores": 2, "load1_during": [2.2, 7.5]}, world_size=2, rows_commit="abc")
+    assert not v["reliable"] and any("load average reached 7.5" in w for w in v["warnings"])
+
+
+def _rows(diffs, ref=5.0, arm="default_smooth", steps=117, fingerprint=None):
+    rows = []
+    for seed, d in enumerate(diffs):
+        rows.append({"data": "chitchat", "arm": "fixed_matched", "seed": seed, "heldout_loss": ref + seed * 0.01,
+                     "optimizer_steps": steps})
+        rows.append({"data": "chitchat", "arm": arm, "seed": seed, "heldout_loss": ref + seed * 0.01 + d,
+                     "optimizer_steps": steps, **({"schedule": fingerprint} if fingerprint else {})})
+    return rows
+
+
+def test_replay_verdict_follows_the_interval_or_says_there_is_none():
+    from evenflow.demo.replay import MIN_SEEDS, compare, paired_interval
+
+    own = {"evenflow": {"fingerprint": "f00", "steps": 117}, "hf_default": {"fingerprint": "baa", "steps": 117}}
+    cfg = DemoConfig()
+    noise = np.random.default_rng(0).normal(0, 0.01, MIN_SEEDS)
+    for shift, expected in ((-0.03, "better"), (0.03, "worse"), (0.0, "within noise")):
+        c = compare("evenflow", _rows(noise + shift), cfg, own=own)
+        assert c.verdict == expected and c.seeds == MIN_SEEDS
+        assert c.ci95 == pytest.approx(paired_interval(noise + shift))
+        assert c.mean == pytest.approx(float(np.mean(noise + shift)))
+    few = compare("evenflow", _rows(noise[:-1] - 0.03), cfg, own=own)
+    assert (few.verdict, few.ci95, few.seeds) == ("no interval", None, MIN_SEEDS - 1) and "< 16" in few.reason
+    stale = compare("evenflow", _rows(noise - 0.03, fingerprint="0ld"), cfg, own=own)
+    assert stale.verdict == "no interval" and "not the steps evenflow trains today" in stale.reason
+    moved = compare("evenflow", _rows(noise - 0.03, steps=118), cfg, own=own)
+    assert moved.verdict == "no interval"
+    assert compare("evenflow", _rows(noise - 0.03, fingerprint="f00"), cfg, own=own).verdict == "better"
+    rows = _rows(noise - 0.03)
+    for r in rows[1::2]:
+        r["revision"] = "abc+dirty"  # the new arm's rows carry theirs; the reference's predate the field
+    assert compare("evenflow", rows, cfg, own=own).revisions == ("abc+dirty", "unrecorded")
+    other = compare("evenflow", _rows(noise - 0.03), quick_config(), own=own)
+    assert other.verdict == "no interval" and "not the replay's" in other.reason
+    assert compare("evenflow", [], cfg, own=own).reason.startswith("no replay rows")
+    assert compare("evenflow_summed", _rows(noise), DemoConfig(lr_scaling="sqrt"), own=own).verdict == "no interval"
+
+
+def test_table_has_every_arm_and_at_most_five_verdict_lines():
+    from evenflow.demo.plan import ArmPlan, Matching
+    from evenflow.demo.render import format_table
+    from evenflow.demo.report import add_time_to_target, summarize_arm, verdict
+
+    records = [[_rec(0, 1, 10, 10, 0.1)] * 2, [_rec(0, 1, 10, 10, 0.1)] * 2]
+    arms = {name: summarize_arm(_raw([_chunk(2, 1.0, h1, 20), _chunk(2, 1.0, h2, 20)], records), 6.0)
+            for name, h1, h2 in (("hf_default", 5.0, 4.5), ("trl_packing", 4.8, 4.52), ("evenflow", 4.6, 4.4))}
+    add_time_to_target(arms)
+    comparisons = {"trl_packing": _comparison("trl_packing", seeds=8, reason="8 paired seeds < 16"),
+                   "evenflow": _comparison("evenflow", (-0.02, 0.01), seeds=32)}
+    v = verdict(arms, comparisons, load={"cores": 2, "load1_during": [9.0]}, world_size=2, rows_commit="abc1234")
+    plan = ArmPlan(optimizer_steps=1, layout="padded", micro_batches_per_step=4.27, micro_batches_range=(4, 5),
+                   peak_tokens=10, fingerprint="x", composition={})
+    m = Matching(batch_size=1, hf_accumulation=4, hf_integer_steps=125, evenflow_steps=117, reference_tokens=10,
+                 planning="global", arms={name: plan for name in arms})
+    text = format_table(arms, v, m, rounds=2, token_budget=4096)
+    lines = text.splitlines()
+    assert len(lines) == 2 + 12 + 1 + 5  # header, rule, 12 rows, rule, 5 verdict lines (one a warning)
+    for phrase in ("HF default", "TRL packing", "optimizer steps", "peak tokens per micro-batch",
+                   "real tokens/s (median, 2 rounds)", "min-max over the rounds", "  vs HF default", "1.00x",
+                   "within noise", "no interval", "(8 seeds)", "[-0.020, +0.010]", "4-5 micro-batches",
+                   "HF's integer accumulation 4 would take 125", "not SFTTrainer", "rows of commit abc1234",
+                   "TRL packing no interval (8 paired seeds < 16)", "evenflow within noise (-0.005 [-0.020, +0.010], "
+                   "32 seeds)", "time to HF default's final held-out loss 4.500", "WARNING: load average reached 9.0"):
+        assert phrase in text, phrase

@@ -37,10 +37,13 @@ def test_every_section_ran_and_the_summary_is_last(run):
     proc, stdout, lines = run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert stdout == lines  # the same lines on stdout and in --out, in order
-    assert [line["section"] for line in lines] == ["env", "llm_step", "loader", "orchestrator", "summary"]
+    assert [line["section"] for line in lines] == ["env", "llm_step", "loader", "orchestrator", "vlm_phases",
+                                                   "flash_attn", "summary"]
     summary = lines[-1]
     assert summary["final"] is True and summary["mode"] == "cpu-reduced"
-    assert summary["sections"] == {"llm_step": "ok", "loader": "ok", "orchestrator": "ok"}
+    # Without CUDA the flash-attention check skips itself (not a failure: the exit status is still 0).
+    assert summary["sections"] == {"llm_step": "ok", "loader": "ok", "orchestrator": "ok", "vlm_phases": "ok",
+                                   "flash_attn": "skipped (no CUDA device)"}
     assert summary["total_s"] <= summary["budget_s"]
 
 
@@ -59,6 +62,13 @@ def test_sections_carry_what_a_gpu_run_needs(run):
     assert orch["world"] == 2 and orch["a2a_is_noop"] is False and all(r["ok"] for r in orch["ranks"])
     assert orch["loss_rel_err"] < 1e-5  # orchestrated loss (fp32) equals the single-process loss
     assert all(a["ms"] > 0 for r in orch["ranks"] for a in r["a2a"])
+    vlm = by["vlm_phases"]  # per-phase times of the Qwen2.5-VL-shaped model (tiny here), each with its FLOPs
+    for phase in ("vision", "llm"):
+        rows = vlm["phases"][phase]
+        assert len(rows) >= 3 and all(r["seconds"] > 0 and r["flops"] > 0 for r in rows), rows
+        assert set(vlm["fit"][phase]) == {"gamma", "alpha", "beta"}
+    assert not vlm["skipped"]
+    assert by["flash_attn"] == {**by["flash_attn"], "ok": True, "skipped": "no CUDA device"}
 
 
 def test_budget_cuts_sections_short_but_still_ends_with_the_summary(tmp_path):

@@ -133,3 +133,27 @@ def test_old_rows_get_the_composition_their_arm_plans(replay, lengths, monkeypat
         assert r == {**r, **replay.composition(replay._schedule(r["arm"], lengths, 1), lengths)}
     # the metric tells the orders apart: the planner's alternation is rougher than the zigzag of the same steps
     assert rows[0]["rough"] > 2 * rows[2]["rough"], rows
+
+
+def test_the_demos_arms_are_the_replays(replay, lengths):
+    """``evenflow demo`` quotes the replay's intervals for its arms: each is the same steps (fingerprint) as the
+    replay arm it names, built by the one definition in evenflow.demo.steps."""
+    pytest.importorskip("trl", reason="the TRL packing arm runs TRL's pack_dataset")
+    from evenflow.demo import DemoConfig
+    from evenflow.demo.plan import match_arms
+    from evenflow.demo.replay import REPLAY_ARMS
+
+    plans = match_arms(DemoConfig(train_samples=len(lengths), seed=1), lengths, lengths // 2).arms
+    assert set(REPLAY_ARMS) == set(plans)
+    for arm, replay_arm in REPLAY_ARMS.items():
+        assert replay.fingerprint(replay._schedule(replay_arm, lengths, seed=1)) == plans[arm].fingerprint, arm
+    assert set(replay.DEMO_ARMS) <= set(REPLAY_ARMS.values())
+    for arm in replay.DEMO_ARMS:
+        assert (arm, "fixed_matched") in replay.CONTROLS, arm  # summarized against the demo's reference
+
+
+def test_the_interval_is_the_demos(replay):
+    from evenflow.demo.replay import paired_interval
+
+    diffs = np.random.default_rng(4).normal(0.01, 0.02, 16)
+    assert replay._interval(diffs) == paired_interval(diffs)

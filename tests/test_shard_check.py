@@ -1,7 +1,8 @@
 """Sharding mistakes are refused on every rank in the first round (NOTE [ Sharding mistakes ] in
 evenflow.runtime.shard_check): a map-style dataset already split per rank with datasets' split_dataset_by_node
 (equal lengths on every rank, so len() cannot tell), and an IterableDataset every rank reads identically. The
-right setups, and a ``__getitem__`` with random lengths, still train. Real gloo ranks."""
+right setups train; a ``__getitem__`` with random lengths is refused naming ``shard_check=False``, which trains
+it. Real gloo ranks (the rest of issue 34's cases: tests/test_mistakes.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_the_whole_dataset_on_every_rank_trains_each_sample_once():
 
 
 class _RandomLengths(Dataset):
-    """Random lengths on every read (a random crop): its content cannot be fingerprinted, and is not refused."""
+    """Random lengths on every read (a random crop): its content cannot be compared across ranks."""
 
     def __len__(self):
         return 40
@@ -74,12 +75,23 @@ class _RandomLengths(Dataset):
 
 
 def _random(rank, world):
-    return _train(evenflow.DynamicBatchLoader(_RandomLengths(), token_budget=256, timeout=timedelta(seconds=60)))
+    try:
+        refused = _train(evenflow.DynamicBatchLoader(_RandomLengths(), token_budget=256, timeout=timedelta(seconds=60)))
+    except ValueError as exc:
+        refused = str(exc)
+    loader = evenflow.DynamicBatchLoader(_RandomLengths(), token_budget=256, timeout=timedelta(seconds=60),
+                                         shard_check=False)
+    return refused, _train(loader)
 
 
-def test_a_random_getitem_is_not_mistaken_for_a_split():
+def test_a_random_getitem_is_refused_as_such_naming_the_flag_that_trains_it():
+    """Issue 34: token ids that change between reads cannot be compared (a split dataset with random crops would
+    pass), so they are refused -- as what they are, not as a split -- naming shard_check=False (before issue 34
+    they were accepted, and so was a split dataset with random crops)."""
     results = run_world(_random, 2, timeout=180)
-    assert sorted(i for r in results for i in r) == list(range(40))
+    for refused, _ in results:
+        assert isinstance(refused, str) and "change between reads" in refused and "shard_check=False" in refused
+    assert sorted(i for _, r in results for i in r) == list(range(40))
 
 
 class _Same(IterableDataset):
@@ -110,7 +122,7 @@ def test_identical_iterable_streams_are_refused_on_every_rank():
     results = run_world(_iterable, 2, False, timeout=180, allow_errors=True)
     assert all(isinstance(r, RankFailed) for r in results), results
     for r in results:
-        assert "ValueError" in r.text and "same first samples" in r.text and "split_dataset_by_node" in r.text
+        assert "ValueError" in r.text and "streams overlap" in r.text and "split_dataset_by_node" in r.text
 
 
 def test_split_iterable_streams_train():

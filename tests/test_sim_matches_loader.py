@@ -12,10 +12,10 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import evenflow
 from _dist import run_world
+from _ids import IdsDataset
 from evenflow.planning import AlignmentConfig, GroupingConfig
 from evenflow.sim import evenflow_schedule, global_schedule
 
@@ -27,22 +27,10 @@ def _lengths(n: int = 500) -> np.ndarray:
     return np.clip(rng.lognormal(5.5, 1.0, n).astype(np.int64), 8, BUDGET)
 
 
-class _Ids(Dataset):
-    """Sample i is ``lengths[i]`` copies of i, so a batch names its samples."""
-
-    def __init__(self, lengths: np.ndarray) -> None:
-        self.lengths = lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> dict:
-        row = torch.full((int(self.lengths[i]),), i)
-        return {"input_ids": row, "labels": row}
 
 
 def _real_steps(rank, world, planning, buffer_size, accum=1):
-    loader = evenflow.DynamicBatchLoader(_Ids(_lengths()), token_budget=BUDGET, buffer_size=buffer_size,
+    loader = evenflow.DynamicBatchLoader(IdsDataset(_lengths()), token_budget=BUDGET, buffer_size=buffer_size,
                                          planning=planning, seed=0, shuffle=True, timeout=timedelta(seconds=60),
                                          grad_accum_steps=accum)
     steps = []

@@ -7,6 +7,7 @@ optional package is reported by name with the command that installs it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -22,8 +23,8 @@ DEFAULT_CUTOFF = 4096
 
 EXAMPLES = """\
 examples:
-  evenflow demo                     time to quality: fixed batching vs evenflow on real chats, 2 CPU ranks (~5 min)
-  evenflow demo --quick             the same, small (under a minute)
+  evenflow demo                     HF batches, group_by_length, TRL packing vs evenflow on real chats, 2 CPU ranks
+  evenflow demo --quick             the same, small (about a minute)
   evenflow profile --dataset chitchat --cutoff 4096 --memory-tokens 8192
   evenflow profile --dataset multimodal --limit 100 --out profiles/
   evenflow profile --dataset alpaca --data-dir ../shared/data
@@ -122,14 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true", help="print the profile as one JSON line at the end")
 
     demo = sub.add_parser("demo", formatter_class=argparse.RawDescriptionHelpFormatter,
-                          help="fine-tune a tiny Qwen3 on real chats: fixed batches vs evenflow, 2 gloo ranks",
+                          help="fine-tune a tiny Qwen3 on real chats: HF batches, TRL packing, evenflow, 2 gloo ranks",
                           description="Fine-tune a tiny random-init Qwen3-architecture model on real chitchat "
-                                      "conversations on 2 CPU ranks (gloo), one epoch per arm at matched optimizer "
-                                      "steps: fixed batches with gradient accumulation, HF-style group_by_length, "
-                                      "and evenflow.DynamicBatchLoader (padded, without the token LR rule, summed). "
-                                      "Compares held-out loss, throughput (ABBA-interleaved rounds: medians and "
-                                      "spreads) and time to the fixed arm's final loss. Writes demo_report.json and "
-                                      "demo_report.png.")
+                                      "conversations on 2 CPU ranks (gloo), one epoch per arm over the same samples: "
+                                      "HF Trainer's default padded random batches (the reference, at evenflow's "
+                                      "number of optimizer steps), group_by_length, TRL's packing (pack_dataset, "
+                                      "padding-free), and evenflow.DynamicBatchLoader with its defaults and with "
+                                      "cost='summed'. Compares throughput (ABBA-interleaved rounds: median and "
+                                      "spread), held-out loss (the replay's paired 95% interval) and time to the "
+                                      "reference's final loss. Writes demo_report.json and demo_report.png.")
     demo.set_defaults(command_parser=demo)
     demo.add_argument("--quick", action="store_true", help="small and fast (tests, smoke runs)")
     demo.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})")
@@ -193,7 +195,12 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         json.dump(report, f, indent=2)
         f.write("\n")
 
+    time_lines, report["time_cost"] = _time_cost(args, profile)
+    with open(js, "w", encoding="utf-8") as f:  # again, with the time cost
+        json.dump(report, f, indent=2)
+        f.write("\n")
     print(_format_profile(args.dataset, profile, advice, patches, elapsed))
+    print("\n".join(time_lines))
     if memory_model is not None:
         est = memory_model["estimate"]
         print(f"memory model ({args.model_config}, {args.dtype}, {args.optimizer}"
@@ -292,6 +299,27 @@ def _memory_tokens(args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     return rec.token_budget, rec.as_dict()
 
 
+def _time_cost(args: argparse.Namespace, profile: Any) -> tuple[list[str], dict]:
+    """What global planning balances under cost='summed' (the default cost, or --model-config's FLOPs), and how
+    much of a sequence's time is attention at this data set's lengths (NOTE [ The default time cost ])."""
+    from .planning.timecost import TimeCost, default_time_cost
+
+    if args.model_config is not None:
+        cost = TimeCost.from_model(json.loads(Path(args.model_config).read_text(encoding="utf-8")), layout="summed")
+        how = "time_cost=TimeCost.from_model(config)"
+    else:
+        cost, how = default_time_cost("summed"), "time_cost=None, the default"
+    phase = cost.phases[0]
+    shares = {k: float(phase.beta * v * v / phase(v)) for k, v in
+              (("median", profile.median), ("p99", profile.p99), ("max", profile.max))}
+    lines = [f"time cost under cost='summed' ({how}): {cost.describe()}",
+             "  attention's share of one sequence's time: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()),
+             "  (cost='padded' balances padded tokens; NOTE [ The default time cost ] in "
+             "evenflow/planning/timecost.py)"]
+    return lines, {"summed": cost.describe(), "padded": default_time_cost("padded").describe(),
+                   "attention_share": shares}
+
+
 def _measure(dataset: Any, desc: str) -> tuple[list[int], list[int]]:
     """Run the pipeline over every sample: lengths, and image patches when the samples report them."""
     try:
@@ -342,6 +370,9 @@ def _demo(args: argparse.Namespace) -> int:
             require(module, "evenflow demo")
     except MissingDependencyError as exc:
         raise CommandError(str(exc)) from None
+    if importlib.util.find_spec("trl") is None:  # the trl_packing arm runs TRL's own pack_dataset and collator
+        raise CommandError("evenflow demo's TRL packing arm needs TRL, which is not installed; install it with "
+                           "`pip install 'evenflow[demo,trl]'`")
     from .demo import DemoConfig, quick_config, run_demo
 
     config = quick_config() if args.quick else DemoConfig()

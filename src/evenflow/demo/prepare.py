@@ -21,8 +21,9 @@ class DemoData:
     train: RemappedDataset
     heldout: RemappedDataset
     lengths: np.ndarray
-    """Realized train lengths (tokens after template, tokenizer and cutoff) -- for the report and the fixed
-    batch size; the evenflow loader does not get them, it observes lengths as samples arrive."""
+    """Realized train lengths (tokens after template, tokenizer and cutoff) -- for the report, the HF arms'
+    batch size and TRL's packs (which need every length before training); the evenflow loader does not get them,
+    it observes lengths as samples arrive."""
     loss_tokens: np.ndarray
     """Supervised tokens per train sample."""
     vocab_size: int

@@ -1,4 +1,4 @@
-"""The demo's outputs: the side-by-side table with the verdict lines, the JSON report and the PNG."""
+"""The demo's outputs: the side-by-side table with at most five verdict lines, the JSON report and the PNG."""
 
 from __future__ import annotations
 
@@ -8,40 +8,51 @@ from typing import Any
 
 import numpy as np
 
-from .report import LOSS_GOAL, TIME_GOAL
+from .config import REFERENCE
+from .plan import Matching
 
-__all__ = ["format_table", "verdict_lines", "plot_report", "write_json", "HEADERS"]
+__all__ = ["HEADERS", "format_table", "verdict_lines", "plot_report", "write_json"]
 
-HEADERS = {"fixed": "fixed", "group_by_length": "by length", "evenflow": "evenflow",
-           "evenflow_sqrt_lr": "sqrt LR", "evenflow_summed": "summed"}
-COLORS = {"fixed": "#999999", "group_by_length": "#ccbb44", "evenflow": "#4477aa",
-          "evenflow_sqrt_lr": "#66ccee", "evenflow_summed": "#228833"}
-
-
-def _row(label: str, arms: Mapping[str, Mapping], fmt) -> tuple[str, ...]:
-    return (label, *(fmt(a) for a in arms.values()))
+HEADERS = {"hf_default": "HF default", "group_by_length": "group_by_length", "trl_packing": "TRL packing",
+           "evenflow": "evenflow", "evenflow_summed": "evenflow summed"}
+COLORS = {"hf_default": "#999999", "group_by_length": "#ccbb44", "trl_packing": "#ee6677", "evenflow": "#4477aa",
+          "evenflow_summed": "#228833"}
 
 
-def format_table(arms: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any], *, batch_size: int,
-                 accumulation: int, lr_text: str) -> str:
+def _interval(replay: Mapping[str, Any] | None, part: str) -> str:
+    if replay is None:
+        return "reference" if part == "verdict" else "--"
+    if replay["ci95"] is None:  # the seed count only where rows exist (too few of them): else the reason says why
+        return {"mean": "--", "ci": f"({replay['seeds']} seeds)" if replay["seeds"] else "--",
+                "verdict": "no interval"}[part]
+    lo, hi = replay["ci95"]
+    return {"mean": f"{replay['mean']:+.3f} ({replay['seeds']})", "ci": f"[{lo:+.3f}, {hi:+.3f}]",
+            "verdict": replay["verdict"]}[part]
+
+
+def format_table(arms: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any], matching: Matching, *,
+                 rounds: int, token_budget: int) -> str:
     """One plain-text table, one column per arm, then the verdict lines."""
+    v = verdict["arms"]
+    ref = HEADERS[REFERENCE]
+
+    def row(label: str, fmt) -> tuple[str, ...]:
+        return (label, *(fmt(name, a) for name, a in arms.items()))
+
     rows = [
-        _row("samples/s (median)", arms, lambda a: f"{a['samples_per_s']:.2f}"),
-        _row("  range over rounds", arms, lambda a: f"{a['samples_per_s_min']:.1f}-{a['samples_per_s_max']:.1f}"),
-        _row("real tokens/s", arms, lambda a: f"{a['tokens_per_s']:.0f}"),
-        _row("padded efficiency", arms, lambda a: f"{a['padded_efficiency']:.1%}"),
-        _row("optimizer steps", arms, lambda a: f"{a['optimizer_steps']}"),
-        _row("micro-batches per rank", arms, lambda a: f"{a['micro_batches_per_rank']}"),
-        _row("mean batch size", arms, lambda a: f"{a['mean_batch_size']:.1f}"),
-        _row("rank imbalance (max/mean)", arms, lambda a: f"{a['mean_rank_imbalance']:.2f}"),
-        _row("critical-path CPU time (s)", arms, lambda a: f"{a['critical_path_cpu_s']:.1f}"),
-        _row("mean LR", arms, lambda a: f"{a['mean_lr']:.2e}"),
-        _row("step mix H_g (<= 1: mixed)", arms, lambda a: f"{a['composition']['H_g']:.2f}"),
-        _row("longest tenth in last 1/4", arms, lambda a: f"{a['composition']['late']:.2f}"),
-        _row("step-to-step change, rough", arms, lambda a: f"{a['composition']['rough']:.2f}"),
-        _row("held-out loss / token", arms, lambda a: f"{a['heldout_loss']:.3f}"),
-        _row("time to target (s)", arms,
-             lambda a: "never" if a["time_to_target_s"] is None else f"{a['time_to_target_s']:.1f}"),
+        row("optimizer steps", lambda n, a: f"{a['optimizer_steps']}"),
+        row("micro-batches per rank and step", lambda n, a: f"{matching.arms[n].micro_batches_per_step:.2f}"),
+        row("peak tokens per micro-batch", lambda n, a: f"{a['peak_tokens']}"),
+        row("padded efficiency", lambda n, a: f"{a['padded_efficiency']:.1%}"),
+        row(f"real tokens/s (median, {rounds} rounds)", lambda n, a: f"{a['tokens_per_s']:.0f}"),
+        row("  min-max over the rounds", lambda n, a: f"{a['tokens_per_s_min']:.0f}-{a['tokens_per_s_max']:.0f}"),
+        row(f"  vs {ref}", lambda n, a: f"{v[n]['speed_vs_reference']:.2f}x"),
+        row("held-out loss, this run", lambda n, a: f"{a['heldout_loss']:.3f}"),
+        row(f"replay: minus {ref} (seeds)", lambda n, a: _interval(v[n]["replay"], "mean")),
+        row("  paired 95% interval", lambda n, a: _interval(v[n]["replay"], "ci")),
+        row("  verdict", lambda n, a: _interval(v[n]["replay"], "verdict")),
+        row(f"time to {ref}'s final loss (s)",
+            lambda n, a: "never" if a["time_to_target_s"] is None else f"{a['time_to_target_s']:.1f}"),
     ]
     head = ("", *(HEADERS[name] for name in arms))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -51,57 +62,55 @@ def format_table(arms: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, An
         return "  ".join([f"{cells[0]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:]))])
 
     out = [fmt(head), line, *(fmt(r) for r in rows), line]
-    out += verdict_lines(arms, verdict, batch_size=batch_size, accumulation=accumulation, lr_text=lr_text)
+    out += verdict_lines(arms, verdict, matching, rounds=rounds, token_budget=token_budget)
     return "\n".join(out)
 
 
-def _met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
-def verdict_lines(arms: Mapping[str, Mapping[str, Any]], v: Mapping[str, Any], *, batch_size: int,
-                  accumulation: int, lr_text: str) -> list[str]:
-    e, f = arms["evenflow"], arms["fixed"]
-    t = v["throughput_ratio"]
-    speed = t["median"]
-    word = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
-    lines = [
-        f"fixed = random batches of {batch_size} per rank x {accumulation} accumulation steps, sized from a "
-        f"planner-only dry run to evenflow's samples per optimizer step; same samples, seed and LR schedule",
-        f"evenflow is {word} than fixed batching (median of {t['repeats']} ABBA-interleaved rounds of wall-clock "
-        f"real tokens/s; per-round ratio {t['min']:.2f}-{t['max']:.2f}, IQR {t['iqr'][0]:.2f}-{t['iqr'][1]:.2f})",
-        f"critical path (slowest rank's CPU time per step, summed): {v['critical_path_ratio']:.2f}x shorter with "
-        "evenflow -- the speedup with one dedicated core per rank",
-    ]
-    ttt = v["time_to_target_ratio"]
-    if ttt is None:
-        lines.append(f"time to quality: evenflow never reached fixed batching's final held-out loss "
-                     f"{v['target_heldout_loss']:.3f} (goal <= {TIME_GOAL}x its time: NOT met)")
-    else:
-        lines.append(f"time to quality: evenflow reaches fixed batching's final held-out loss "
-                     f"{v['target_heldout_loss']:.3f} in {e['time_to_target_s']:.1f} s vs "
-                     f"{f['time_to_target_s']:.1f} s = {ttt['median']:.2f}x the time (median; rounds {ttt['min']:.2f}-{ttt['max']:.2f}; goal <= "
-                     f"{TIME_GOAL}x: {_met(ttt['median'] <= TIME_GOAL)})")
-    best = v["best_fixed_arm"]
-    lines.append(f"held-out loss per token: evenflow {e['heldout_loss']:.3f} vs best fixed-batching arm ({best}) "
-                 f"{arms[best]['heldout_loss']:.3f} ({v['heldout_gap_vs_best_fixed']:+.3f}; goal within {LOSS_GOAL}: "
-                 f"{_met(v['heldout_gap_vs_best_fixed'] <= LOSS_GOAL)}) after {e['optimizer_steps']} vs "
-                 f"{arms[best]['optimizer_steps']} optimizer steps")
-    if "sqrt_lr_gain" in v:
-        gain = v["sqrt_lr_gain"]
-        helps = "helps" if gain > 0 else "does not help"
-        lines.append(f"learning rate: {lr_text}; with the sqrt rule evenflow ends at "
-                     f"{arms['evenflow_sqrt_lr']['heldout_loss']:.3f} (the rule {helps}: {gain:+.3f})")
-    else:
-        lines.append(f"learning rate: {lr_text}")
-    lines.append("step composition (planned by the same planners, evenflow.sim.step_composition): H_g = variance of "
-                 "the steps' mean log length over that of the same micro-batches dealt to steps at random (<= 1: as "
-                 "mixed as random), late = share of the longest tenth of samples trained in the last quarter of the "
-                 "steps (0.25: no curriculum), rough = how unlike each optimizer step is to the one before (random "
-                 "batches ~1; AdamW pays for a high one)")
-    lines.append(f"time model: {v['time_model']}")
-    lines += [f"WARNING: {w}" for w in v["warnings"]]
+def verdict_lines(arms: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any], matching: Matching, *,
+                  rounds: int, token_budget: int) -> list[str]:
+    """At most five lines: what the baselines are, speed, quality, time to target, warnings (if any)."""
+    v, ref, others = verdict["arms"], HEADERS[REFERENCE], [n for n in arms if n != REFERENCE]
+    hf = matching.arms[REFERENCE]
+    what = [f"{ref} = Trainer's default: random batches of {matching.batch_size} per rank padded to the longest (the "
+            f"largest batch whose epoch peak fits {token_budget} tokens), {hf.micro_batches_range[0]}-"
+            f"{hf.micro_batches_range[1]} micro-batches per rank and step so its {hf.optimizer_steps} optimizer steps "
+            f"equal evenflow's (HF's integer accumulation {matching.hf_accumulation} would take "
+            f"{matching.hf_integer_steps})"]
+    if "group_by_length" in arms:
+        what.append("group_by_length = the same in HF's length-grouped order")
+    if "trl_packing" in arms:
+        what.append(f"TRL packing = trl.data_utils.pack_dataset(strategy='bfd') rows of {token_budget} tokens, "
+                    "padding-free, position_ids restarting, one per rank, trained by the demo's loop (not SFTTrainer)")
+    lines = ["; ".join(what)]
+    lines.append(f"speed, real tokens/s (median of {rounds} ABBA-interleaved rounds) against {ref}'s "
+                 f"{arms[REFERENCE]['tokens_per_s']:.0f}: "
+                 + ", ".join(f"{HEADERS[n]} {v[n]['speed_vs_reference']:.2f}x" for n in others))
+    lines.append(f"held-out loss minus {ref}'s, by the replay's paired 95% interval (benchmarks/quality_replay.py, "
+                 f"rows of commit {verdict['replay_rows_commit']}): " + _quality(v, others))
+    times = []
+    for n in arms:
+        t, rel = arms[n]["time_to_target_s"], v[n]["time_to_target_vs_reference"]
+        times.append(f"{HEADERS[n]} never" if t is None else
+                     f"{HEADERS[n]} {t:.0f} s" + ("" if n == REFERENCE or rel is None else f" ({rel:.2f}x)"))
+    lines.append(f"time to {ref}'s final held-out loss {verdict['target_heldout_loss']:.3f} (this run; seconds at "
+                 "each arm's median rate): " + ", ".join(times))
+    if verdict["warnings"]:
+        lines.append("WARNING: " + "; ".join(verdict["warnings"]))
     return lines
+
+
+def _quality(v: Mapping[str, Any], others: Sequence[str]) -> str:
+    """Each arm's replay verdict with its interval, or why it has none (said once when every arm shares it)."""
+    reasons = {v[n]["replay"]["reason"] for n in others}
+    if len(reasons) == 1 and all(v[n]["replay"]["ci95"] is None for n in others):
+        return f"no interval for any arm: {reasons.pop()}"
+    parts = []
+    for n in others:
+        rep = v[n]["replay"]
+        parts.append(f"{HEADERS[n]} no interval ({rep['reason']})" if rep["ci95"] is None else
+                     f"{HEADERS[n]} {rep['verdict']} ({rep['mean']:+.3f} [{rep['ci95'][0]:+.3f}, "
+                     f"{rep['ci95'][1]:+.3f}], {rep['seeds']} seeds)")
+    return "; ".join(parts)
 
 
 def write_json(path: str, report: Mapping[str, Any]) -> None:
@@ -118,42 +127,23 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def plot_report(path: str, *, lengths: Sequence[int], arms: Mapping[str, Mapping[str, Any]], cutoff: int,
-                token_budget: int, target: float) -> None:
-    """Four panels: realized lengths, batch sizes per rank, held-out loss vs wall time and vs samples."""
+def plot_report(path: str, *, arms: Mapping[str, Mapping[str, Any]], target: float) -> None:
+    """One panel: every arm's held-out loss against seconds at its median throughput (NOTE [ Time model ])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    arr = np.asarray(lengths)
-    ax = axes[0, 0]
-    ax.hist(arr, bins=np.geomspace(max(1, arr.min()), arr.max() + 1, 40), color=COLORS["evenflow"])
-    ax.set_xscale("log")
-    ax.axvline(cutoff, color="#cc6677", linestyle="--", label=f"cutoff {cutoff}")
-    ax.set(title=f"realized lengths ({arr.size} chats)", xlabel="tokens", ylabel="samples")
-    ax.legend()
-
-    ax = axes[0, 1]
-    biggest = max(max(a["batch_sizes"] or [1]) for a in arms.values())
-    bins = np.arange(0.5, biggest + 1.5, max(1, biggest // 40))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name, a in arms.items():
-        ax.hist(a["batch_sizes"], bins=bins, alpha=0.6, color=COLORS[name], label=HEADERS[name])
-    ax.set(title=f"batch sizes per rank (budget {token_budget} tokens)", xlabel="samples per micro-batch",
-           ylabel="micro-batches")
-    ax.set_yscale("log")
+        if a["curve"]["seconds"]:
+            ax.plot(a["curve"]["seconds"], a["curve"]["heldout_loss"], marker="o", ms=3, color=COLORS[name],
+                    label=f"{HEADERS[name]} ({a['tokens_per_s']:.0f} real tokens/s)")
+    ax.axhline(target, color="black", linestyle=":", label=f"{HEADERS[REFERENCE]} final {target:.3f}")
+    ax.set(title="held-out loss per token vs wall-clock seconds (one epoch per arm)",
+           xlabel="seconds (real tokens trained / the arm's median real tokens/s over the ABBA rounds)",
+           ylabel="nats / token")
     ax.legend()
-
-    for ax, key, xlabel in ((axes[1, 0], "time", "wall time (s) at each arm's median samples/s"),
-                            (axes[1, 1], "samples", "samples trained")):
-        for name, a in arms.items():
-            samples = np.asarray(a["curve"]["samples"], dtype=np.float64)
-            x = samples / a["samples_per_s"] if key == "time" else samples
-            ax.plot(x, a["curve"]["heldout_loss"], marker="o", ms=3, color=COLORS[name], label=HEADERS[name])
-        ax.axhline(target, color="#cc6677", linestyle=":", label=f"fixed final {target:.3f}")
-        ax.set(title=f"held-out loss vs {key}", xlabel=xlabel, ylabel="nats / token")
-        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,15 +1,18 @@
 """One rank of the demo: every arm trains the same tiny Qwen3 model for one epoch, in interleaved timed chunks.
 
-The arms share everything but the batching (evenflow.demo.arms): the model init (seeded), AdamW, the LR
-schedule in optimizer steps (:func:`~evenflow.demo.config.schedule_factor`) under the token LR rule
-(:class:`evenflow.TokenLRScaler`, one reference for all arms), gradient clipping, DDP over gloo, one DataLoader
-worker per rank, and the exact global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every
+The arms share everything but the batching (evenflow.demo.arms): the model init (seeded), its attention
+(NOTE [ Packed attention on CPU ] in evenflow.demo.attention), AdamW, the LR schedule in each arm's optimizer
+steps (:func:`~evenflow.demo.config.schedule_factor`; a token LR rule only if ``DemoConfig.lr_scaling`` asks,
+:class:`evenflow.TokenLRScaler`), gradient clipping, DDP over gloo, one DataLoader worker per rank, and the exact
+global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every
 rank backpropagates ``sum_loss_r * W / T_window`` so DDP's gradient average is the per-token mean of the whole
 optimizer step.
 
 NOTE [ Interleaved timing ]
     Each arm's epoch is cut into ``rounds`` chunks of optimizer steps. Round r runs one chunk of every arm, in
     forward order on even rounds and reversed on odd ones (A B C, C B A, ...), each chunk between two barriers.
+    The first chunk of an arm includes its DataLoader worker's start, the last its shutdown (the same for every
+    arm; the median over the rounds does not rest on either).
     A load burst on the shared machine then hits every arm about equally instead of whichever ran second, and
     each round gives one throughput sample per arm. The model, optimizer and loader of every arm live on
     across chunks, so quality is still one seeded full run per arm: interleaving changes the timing, not the
@@ -37,7 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..integrations.mesh import destroy_process_groups
 from ..lr import TokenLRScaler
 from ..planning.loss import IGNORE_INDEX
-from .arms import PAD_ID, Window, arm_windows, batch_cost, planned_steps
+from .arms import PAD_ID, Window, arm_windows, batch_cost
+from .attention import register as register_attention
 from .config import DemoConfig, arm_lr_scaling, schedule_factor
 from .plan import Matching
 from .prepare import DemoData
@@ -48,8 +52,13 @@ LOGIT_CHUNK = 512
 """Supervised positions per lm_head + cross-entropy chunk (512 x 4,096 fp32 logits = 8 MB)."""
 
 
-def build_model(config: DemoConfig, vocab_size: int) -> torch.nn.Module:
-    """A tiny Qwen3-architecture causal LM, random init from ``config.seed`` (no weights are downloaded)."""
+def build_model(config: DemoConfig, vocab_size: int, *, attention: str = "sdpa") -> torch.nn.Module:
+    """A tiny Qwen3-architecture causal LM, random init from ``config.seed`` (no weights are downloaded).
+
+    ``attention``: transformers' attention implementation. The demo's ranks pass
+    :data:`evenflow.demo.attention.ATTENTION` (NOTE [ Packed attention on CPU ]); the default, stock ``sdpa``, is
+    what ``benchmarks/quality_replay.py`` trains with (the same math).
+    """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(config.seed)
@@ -58,7 +67,7 @@ def build_model(config: DemoConfig, vocab_size: int) -> torch.nn.Module:
                                num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
                                head_dim=config.hidden_size // config.num_heads, max_position_embeddings=config.cutoff,
                                tie_word_embeddings=True, pad_token_id=PAD_ID, bos_token_id=None, eos_token_id=None,
-                               use_cache=False)
+                               use_cache=False, attn_implementation=attention)
     return Qwen3ForCausalLM(model_config)
 
 
@@ -70,8 +79,10 @@ def sum_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     * No attention mask for padded batches. They are right-padded and attention is causal, so a real token
       never attends to a pad (pads come after it); the mask would change only the pads' outputs, which the
       loss ignores. Without it, SDPA takes its fused causal path instead of materializing a ``[B, H, T, T]`` mask.
-    * A packed batch (``position_ids``, no mask) gets HF's block-diagonal mask from the restarting positions,
-      with ``use_cache=False`` (NOTE [ Packing and the KV cache ] in evenflow.runtime.collate).
+    * A packed batch (``position_ids``, no mask) attends within each sequence: one causal call per sequence
+      under the demo's attention (NOTE [ Packed attention on CPU ] in evenflow.demo.attention), HF's
+      block-diagonal mask from the restarting positions under stock ``sdpa``; ``use_cache=False`` either way
+      (NOTE [ Packing and the KV cache ] in evenflow.runtime.collate).
     * Logits only where a label is supervised, ``LOGIT_CHUNK`` rows at a time: a 4,096-token batch would
       otherwise hold 4,096 x vocab fp32 logits at once, which on CPU costs more in memory traffic than in math.
     """
@@ -98,9 +109,12 @@ class ArmRun:
     def __init__(self, arm: str, data: DemoData, config: DemoConfig, matching: Matching, rank: int) -> None:
         self.arm = arm
         self.config = config
-        self.total_steps = planned_steps(arm, matching)
-        self.model = build_model(config, data.vocab_size)
-        self.ddp = DistributedDataParallel(self.model)
+        self.total_steps = matching.arms[arm].optimizer_steps
+        self.model = build_model(config, data.vocab_size, attention=register_attention())
+        # forward_sync_buffers=False: DDP would otherwise broadcast the buffers (here only the rotary constants,
+        # equal on every rank by construction) in every forward, and the HF arms' ranks take 4 or 5 micro-batches
+        # in the same step (8 or 9 samples dealt to 2 ranks): unequal broadcasts would mismatch the collectives.
+        self.ddp = DistributedDataParallel(self.model, forward_sync_buffers=False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config.base_lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda step: schedule_factor(step, self.total_steps, config))
@@ -109,7 +123,7 @@ class ArmRun:
         self.windows: Iterator[Window] = arm_windows(arm, data, config, matching, rank)
         self.steps = 0
         self.records: list[dict] = []
-        """Per micro-batch: samples, real/cost tokens, loss sum, CPU seconds."""
+        """Per micro-batch: its optimizer step, samples, real/cost tokens, loss sum, CPU seconds."""
         self.lrs: list[float] = []
         """The LR every optimizer step used (schedule x rule)."""
         self.exhausted = False
@@ -152,7 +166,8 @@ class ArmRun:
                 self.opt.zero_grad(set_to_none=True)
                 self.schedule.step()
             real, cost = batch_cost(micro.batch)
-            self.records.append({"samples": micro.samples, "real": 0 if micro.idle else real, "padded": cost,
+            self.records.append({"step": self.steps, "samples": micro.samples, "real": 0 if micro.idle else real,
+                                 "padded": 0 if micro.idle else cost,
                                  "loss_tokens": 0 if micro.idle else tokens, "loss_sum": loss.item(),
                                  "cpu_s": time.thread_time() - cpu_start})
         self.steps += 1
@@ -176,7 +191,7 @@ def _warm_up(config: DemoConfig, data: DemoData) -> None:
     """One untimed forward/backward on a throwaway model and one pipeline call, so one-time costs (lazy
     imports in transformers, kernel selection, tokenizer load) land in no arm's timing."""
     sample = data.train[0]
-    loss, _ = sum_loss(build_model(config, data.vocab_size),
+    loss, _ = sum_loss(build_model(config, data.vocab_size, attention=register_attention()),
                        {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]})
     loss.backward()
 
@@ -204,9 +219,10 @@ def _interleaved(runs: list[ArmRun], data: DemoData, config: DemoConfig, rank: i
             chunk.update(round=r, load1=os.getloadavg()[0],
                          heldout=heldout_loss(run.model, data, rank, config.world_size))
             chunks[run.arm].append(chunk)
-            if progress and rank == 0:
-                print(f"  round {r + 1}/{config.rounds} {run.arm:<20} {chunk['real_tokens'] / chunk['wall_s']:8.0f} "
-                      f"real tokens/s  held-out {chunk['heldout']:.3f}", file=sys.stderr, flush=True)
+        if progress and rank == 0:  # one line a round: the demo's whole output stays within a screen
+            rates = "  ".join(f"{run.arm} {chunks[run.arm][-1]['real_tokens'] / chunks[run.arm][-1]['wall_s']:.0f}"
+                              for run in runs)
+            print(f"  round {r + 1}/{config.rounds}, real tokens/s: {rates}", file=sys.stderr, flush=True)
     return {"initial_heldout": initial, "chunks": chunks}
 
 

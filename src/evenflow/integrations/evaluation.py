@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from ..runtime.comm import sum_over
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.step_info import pop_step_info
 
@@ -82,8 +82,8 @@ def evaluate_loss(model: torch.nn.Module, loader: DynamicBatchLoader, *,
                     total += loss.detach().to(torch.float64).cpu() * info.local_loss_tokens
     finally:
         model.train(was_training)
-    group = loader.topology.group
-    if loader.world_size > 1:
-        dist.all_reduce(total, group=group)
-    return {"loss": float(total) / tokens if tokens else float("nan"), "loss_tokens": float(tokens),
+    loss_sum = float(total)
+    if loader.world_size > 1:  # often a job's last collective: released before it returns (NOTE [ Exit-time teardown ])
+        loss_sum = sum_over(loss_sum, loader.topology.group)
+    return {"loss": loss_sum / tokens if tokens else float("nan"), "loss_tokens": float(tokens),
             "samples": float(samples), "steps": float(steps), "idle_steps": float(idle)}

@@ -91,6 +91,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..lr import TokenLRRule, TokenLRScaler
 from ..planning.loss import LossTokenRule
+from ..runtime.comm import sum_over
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.step_info import STEP_INFO_KEY, StepInfo
 from .evaluation import eval_loader, evaluate_loss
@@ -361,6 +362,15 @@ class DynamicBatchTrainer(Trainer):
                     "train_loss_tokens_per_second": round(done["loss_tokens"] / runtime, 3),
                     "train_samples": done["samples"]}
         super().log(logs, start_time)
+
+    def store_flos(self) -> None:
+        """``Trainer.store_flos``, its sum over ranks on CPU (gloo) with the tensors released before it returns: it
+        is the last collective of ``train()``, so it often races the interpreter's exit (NOTE [ Exit-time
+        teardown ] in evenflow.runtime.teardown). Other devices: HF's own."""
+        if self.args.world_size <= 1 or self.args.device.type != "cpu":
+            return super().store_flos()
+        self.state.total_flos += sum_over(float(self.current_flos), None)
+        self.current_flos = 0
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
               **kwargs):

@@ -24,16 +24,18 @@ __all__ = ["dp_process_group", "dp_rank_groups", "destroy_process_groups"]
 
 
 def destroy_process_groups() -> None:
-    """End a job's ``torch.distributed`` use: collect what still holds a process group, then destroy them all.
+    """Optional: end a job's ``torch.distributed`` use explicitly -- collect, then destroy every process group.
 
-    A trainer, a DDP model or a loader can sit in a reference cycle that keeps its gloo group alive after
-    ``destroy_process_group()``; the cycle is then collected at interpreter exit, and a gloo backend torn down
-    that late is the likely cause of a rare abort at exit (``terminate called without an active exception``,
-    once in CI from examples/hf_trainer.py; not reproduced). Measured on that example: after ``main()``
-    returns, the trainer, its DDP model and both loaders are still alive until a ``gc.collect()``. Collecting
-    first leaves the registry holding the last reference, so the groups are released here, with the
-    interpreter alive.
-    A no-op without an initialized process group (apart from the collection).
+    A job does not need it to exit cleanly: evenflow closes its open epochs and frees its collectives' tensors
+    before the interpreter finalizes (NOTE [ Exit-time teardown ] in evenflow.runtime.teardown). What it adds:
+    a group nothing else holds is destroyed now, with the interpreter alive, and its worker threads are joined,
+    so a collective issued by *other* code just before (a trainer's metrics, your own ``all_reduce``) is not
+    still held by one when the process exits -- the exit-time abort evenflow cannot rule out for you
+    (docs/failures.md, "Exit codes").
+    ``gc.collect()`` first: a trainer, a DDP model or a loader in a reference cycle keeps its group alive past
+    ``destroy_process_group()`` otherwise (measured on examples/hf_trainer.py: after ``main()`` returns, the
+    trainer, its DDP model and both loaders are alive until a collection). No other ``torch.distributed`` call
+    may follow. A no-op without an initialized process group (apart from the collection).
     """
     gc.collect()
     if dist.is_available() and dist.is_initialized():

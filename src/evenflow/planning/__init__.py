@@ -6,7 +6,8 @@
 - simulate.py  -- the protocol for W ranks in one process (model checker, simulator, benchmarks)
 - pooled/      -- global planning, one round over the pooled buffers of all ranks: plan.py (the entry point:
                   balanced mixed steps, least movement), groups.py (grouping the union, the drain), mix.py (what
-                  each step is made of and which steps a round emits), place.py (groups to ranks, least movement)
+                  each step is made of and which steps a round emits), place.py (groups to ranks, least movement),
+                  packs.py (padding-free packs dealt mixed and balanced on time)
 - timecost.py  -- the fitted per-item time cost f(L) = gamma + alpha L + beta L^2 planners balance on
 """
 

@@ -167,11 +167,12 @@ class RankReport:
     host: int = NO_VALUE
     """Process id and host fingerprint: survivors of a failed exchange name the ranks that died."""
     stream: int = NO_VALUE
-    """Iterable datasets, an epoch's first round: fingerprint of the first samples this rank buffered. Equal on
-    every rank = identical streams, refused (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
+    """Iterable datasets, until the unsplit-stream check ran: how many of its window's samples this rank has
+    digested; when every rank's window is complete (or its stream dry), every rank gathers them once (NOTE
+    [ Sharding mistakes ] in evenflow.runtime.shard_check). NO_VALUE: no check (map-style, off, done)."""
     content: int = NO_VALUE
-    """Map-style datasets: fingerprint of a few items' lengths and head tokens (NOTE [ Sharding mistakes ]), or
-    NO_VALUE when this rank could not read them in time -- compared only among the ranks that could."""
+    """Map-style datasets: fingerprint of a few items' token content (NOTE [ Sharding mistakes ]), or NO_VALUE
+    when this rank could not compare them -- compared only among the ranks that could."""
 
     def to_array(self) -> np.ndarray:
         return np.array([self.fingerprint, self.num_groups, self.num_samples, int(self.exhausted), self.unread,
@@ -204,8 +205,8 @@ class RoundDecision:
 
 
 def _check_agreement(table: np.ndarray) -> None:
-    """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them), and
-    iterable streams identical on every rank (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
+    """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them); a
+    map-style dataset's content too (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
     for col, what, fix in _AGREEMENT:
         values = table[:, col]
         if (values != values[0]).any():
@@ -217,13 +218,6 @@ def _check_agreement(table: np.ndarray) -> None:
         col, what, fix = _AGREEMENT[2]
         by_value = {int(v): np.flatnonzero(content == v).tolist() for v in np.unique(known)}
         raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
-    streams = table[:, _STREAM_COL]
-    if len(streams) > 1 and streams[0] != NO_VALUE and (streams == streams[0]).all():
-        raise ValueError(f"all {len(streams)} ranks read the same first samples from their IterableDataset: an "
-                         "iterable is each rank's own stream, so identical streams would train every sample "
-                         f"{len(streams)} times. Split the stream per rank (an HF IterableDataset: "
-                         "datasets.distributed.split_dataset_by_node(ds, rank=rank, world_size=world_size); your own: "
-                         "skip by rank in __iter__), or pass a map-style dataset (the loader shards it by index)")
 
 
 def _show(col: int, value: int) -> object:
@@ -233,17 +227,17 @@ def _show(col: int, value: int) -> object:
 
 
 _RESUME_COL = 10
-_STREAM_COL = 13
 _CONTENT_COL = 14
 _AGREEMENT = (
     (0, "the loader configuration (fingerprint)", "every rank must build its loader with the same seed, budgets, "
         "buffer_size, join, balance, grad_accum_steps and world size"),
     (8, "the epoch", "call loader.set_epoch(epoch) with the same epoch on every rank"),
-    (9, "the dataset (len(), kind, or the lengths and tokens of a few items read at the same indices)",
+    (9, "the dataset (len(), kind, or the token content of a few items read at the same indices)",
         "every rank must see the same map-style dataset, which the loader shards by index itself. A dataset already "
         "split per rank (datasets.distributed.split_dataset_by_node, Dataset.shard(num_shards=W, index=rank)) would "
         "be split again and train 1/W of the data: pass the whole dataset on every rank. Else check for a partly "
-        "written file, a rank-dependent filter or rank-dependent content in __getitem__"),
+        "written file or a rank-dependent filter; a whole dataset whose __getitem__ changes token ids by rank "
+        "(augmentation seeded by rank) looks the same as a split one: pass shard_check=False"),
     (_RESUME_COL, "the resumed state (step counter)", "load every rank's state from the same checkpoint step, or "
         "none of them (a torn or partial checkpoint would repeat or skip samples)"),
 )

@@ -11,10 +11,12 @@
 - resume.py    -- validation of a loader state before resuming
 - comm.py      -- the only torch.distributed code: rank/world/group resolution and the int64 all_gather
                   (PeerTable: whichever collective a dead peer breaks, the error names it)
+- teardown.py  -- what is closed at interpreter exit, before finalization (NOTE [ Exit-time teardown ])
 - balancing.py / global_round.py / planning.py -- balance=True, planning="global", which policy runs
 - collate.py   -- PadCollate (right-padded rows) and FlatCollate (one varlen row)
 - collate_extras.py -- the other keys of a batch: media rows, audio clips, metadata (never dropped silently)
-- shard_check.py -- sharding mistakes caught at the first round (a dataset split twice, unsplit streams)
+- shard_check.py -- sharding mistakes caught at the first round (a dataset split twice: token content compared)
+- stream_check.py -- unsplit IterableDataset streams caught from the digests of each rank's first samples
 - epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``, PlannedLengths), via
                   evenflow.sim
 - step_info.py -- StepInfo, pop_step_info, scale_loss

@@ -121,8 +121,12 @@ class UserCalls:
             raise value
         return value
 
-    def close(self) -> None:
-        """Let the helper thread exit once it is idle (a stuck one stays stuck, as a daemon)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Let the helper thread exit once it is idle (a stuck one stays stuck, as a daemon), and wait up to
+        ``wait_s`` until it has (not for an abandoned one): no helper outlives its epoch (NOTE [ Exit-time
+        teardown ] in teardown.py)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if wait_s > 0 and not self.abandoned:
+            self._thread.join(wait_s)

@@ -43,10 +43,10 @@ from ..planning.alignment import NO_VALUE, SLOT_WIDTH, Item, RankPlanner, RankRe
 from ..planning.grouping import GroupingConfig
 from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
 from .calls import Stuck, UserCalls, WorkerDied
-from .collate_extras import MissingKeyError
+from .collate_extras import SampleError
 from .comm import MetadataExchange
 from .faults import PeerError, PeerStopped, decode_detail, encode_detail, sample_of, trainer_failed
-from .shard_check import PICKS, stream_print
+from .stream_check import StreamCheck
 from .step_info import STEP_INFO_KEY, StepInfo
 
 if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True loaders need it
@@ -56,6 +56,9 @@ if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True load
 __all__ = ["Handoff", "SampleSpec", "EpochPipeline", "Release", "default_batch_check", "MAX_VALUE"]
 
 logger = logging.getLogger("evenflow")
+
+# How long the collation thread waits for its idle helper thread to exit at the end of an epoch.
+_HELPER_EXIT_S = 5.0
 
 
 class Handoff:
@@ -322,7 +325,8 @@ class EpochPipeline(threading.Thread):
                  global_round: GlobalRound | None = None, planning_check: Callable[[], None] | None = None,
                  call_limit: timedelta | None = None, workers: bool = False,
                  dead_workers: Callable[[], str | None] | None = None,
-                 check_batch: Callable[[object, list], None] | None = None) -> None:
+                 check_batch: Callable[[object, list], None] | None = None,
+                 stream_check: StreamCheck | None = None) -> None:
         super().__init__(name=f"evenflow-collate-e{epoch}", daemon=True)
         self.planner = planner
         self.stream = stream
@@ -358,8 +362,9 @@ class EpochPipeline(threading.Thread):
         self.calls = UserCalls(f"evenflow-user-e{epoch}", self.call_limit.total_seconds(), dead_workers)
         self.check_batch = check_batch
         """The default collates: a batch larger than the budget means a ``length_fn`` that underestimates."""
+        self.stream_check = stream_check
+        """Iterable streams: the unsplit-stream check, gathered once (NOTE [ Sharding mistakes ] in shard_check.py)."""
         self.pulled = 0
-        self.reported = False
         self.exhausted = total == 0 or stream is None
         self.error: BaseException | None = error
         self.error_key: object = None
@@ -382,7 +387,7 @@ class EpochPipeline(threading.Thread):
         except BaseException as exc:  # exchange failure or a bug: nothing more can be exchanged safely
             self.handoff.fail(exc)
         finally:
-            self.calls.close()
+            self.calls.close(wait_s=_HELPER_EXIT_S)  # idle here (unless abandoned): it exits at once
 
     def _round(self) -> bool:
         """One round of NOTE [ Round sequence ]; False once the epoch is over on every rank."""
@@ -398,6 +403,11 @@ class EpochPipeline(threading.Thread):
         decision = decide_round(table, self.planner.alignment)
         if not self.exchange.peers.known:
             self.exchange.peers.note(table[:, 11], table[:, 12])  # names dead ranks if a later exchange fails
+        if self.stream_check is not None and not (decision.error_ranks or decision.stop):
+            refused = self.stream_check.after(table, self.exchange)  # one more exchange, once, every rank alike
+            if refused is not None:  # every rank refuses in this round, after the batches all ranks released
+                self.handoff.fail_in_order(refused)
+                return False
         if self.global_round is not None and decision.target:  # same on every rank: all plan, or none
             slots, decision, unshared = self.global_round.plan(self.planner, table, decision)
             if unshared is not None:  # a moved sample this rank cannot unpack: shared in exchange 2
@@ -441,14 +451,8 @@ class EpochPipeline(threading.Thread):
         ok = failure is None
         return RankReport(self.fingerprint, len(groups), len(self.planner.buffer) if ok else 0, self.exhausted,
                           self._unread(), stop.requested, not ok, stop.step if stop.requested else NO_VALUE,
-                          **self.report_fields, stream=self._stream_print())
-
-    def _stream_print(self) -> int:
-        """Iterable epochs, first round only: the first buffered samples' fingerprint (NOTE [ Sharding mistakes ])."""
-        if self.total is not None or self.reported:
-            return NO_VALUE
-        self.reported = True
-        return stream_print([self.payloads[it.key] for it in self.planner.buffer[:PICKS] if it.key in self.payloads])
+                          **self.report_fields,
+                          stream=NO_VALUE if self.stream_check is None else self.stream_check.reported())
 
     def _balance(self, slots: list, gathered: np.ndarray, decision: RoundDecision,
                  late: tuple[int, ...]) -> tuple[tuple, object]:
@@ -585,8 +589,8 @@ class EpochPipeline(threading.Thread):
                 if self.check_batch is not None and items:
                     self.check_batch(batch, items, samples)
             except Exception as exc:  # reported in this round's exchange 2 (or the commit exchange)
-                # A default collate's MissingKeyError names the sample by its position in the batch.
-                at = exc.position if isinstance(exc, MissingKeyError) and 0 <= exc.position < len(keys) else 0
+                # A default collate's SampleError names the sample by its position in the batch.
+                at = exc.position if isinstance(exc, SampleError) and 0 <= exc.position < len(keys) else 0
                 return None, (exc, keys[at] if keys else None)
             finally:
                 self.calls.unmark()

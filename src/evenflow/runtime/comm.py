@@ -1,13 +1,18 @@
 """The one module that talks to torch.distributed for the loader's metadata.
 
 Rank, world size and the gloo group are resolved once here, on the constructing thread, and then passed
-around as plain values. Every collective names its group.
+around as plain values. Every collective names its group, and its tensors are freed on the calling thread, never
+by the backend's worker thread (:func:`release`, NOTE [ Exit-time teardown ] in teardown.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,8 +22,79 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .teardown import close_at_exit
+
 __all__ = ["Topology", "resolve_topology", "PeerTable", "MetadataExchange", "PlanningGroups", "planning_groups",
-           "TwoLevelExchange", "pid_alive"]
+           "TwoLevelExchange", "pid_alive", "release", "sum_over"]
+
+logger = logging.getLogger("evenflow")
+
+# A backend's worker thread drops a finished collective's tensors microseconds after the caller wakes -- or, on
+# a loaded machine, a little later; this only bounds the wait if it somehow does not (NOTE [ Exit-time
+# teardown ], case 2).
+_RELEASE_BOUND_S = 5.0
+# How many exchanges' tensors a MetadataExchange keeps before freeing the oldest, and how many bytes at most beside
+# the newest exchange's (global planning gathers every buffered sample's metadata: MBs at 64 ranks).
+_HELD_EXCHANGES = 4
+_HELD_BYTES = 1 << 20
+
+
+class _Marker:
+    """A value in a worker thread's thread-local storage: freed when that thread's Python thread state ends."""
+
+
+def release(buffers: list) -> None:
+    """Empty ``buffers`` -- the tensors a collective that returned was given, referenced nowhere else -- and wait
+    until whichever thread frees them is done with Python.
+
+    Usually this thread frees them here. But the process group's worker thread may still hold the finished work:
+    torch then keeps the tensors' Python objects alive from C++, and the worker frees them -- taking the GIL,
+    dropping it while torch frees the storage, taking it back -- under a temporary Python thread state. Were the
+    interpreter to begin finalizing meanwhile, the worker would be ended inside a C++ destructor and the process
+    would abort (NOTE [ Exit-time teardown ], case 2). So a tensor freed on another thread counts as released
+    once that thread's thread state is cleared: a marker put in its thread-local storage is freed then. No tensor
+    is ever dereferenced through the weak references (torch warns on a dereferenced one it frees from C++).
+    """
+    waiter = threading.get_ident()
+    cond = threading.Condition()
+    left = [len(buffers)]
+    local = threading.local()
+    markers: list[weakref.ref] = []
+
+    def settled(_ref: weakref.ref | None = None) -> None:
+        with cond:
+            left[0] -= 1
+            cond.notify_all()
+
+    def freed(_ref: weakref.ref) -> None:
+        if threading.get_ident() == waiter:  # freed by buffers.clear() below
+            settled()
+            return
+        marker = _Marker()
+        markers.append(weakref.ref(marker, settled))
+        local.markers = [*getattr(local, "markers", ()), marker]
+
+    refs = [weakref.ref(t, freed) for t in buffers]
+    buffers.clear()
+    deadline = time.monotonic() + _RELEASE_BOUND_S
+    with cond:
+        while left[0] > 0 and (wait := deadline - time.monotonic()) > 0:
+            cond.wait(wait)
+        late = left[0]
+    if late:
+        logger.debug("evenflow: %d tensor(s) of a collective were not released by its worker thread within %.0f s",
+                     late, _RELEASE_BOUND_S)
+    del refs, markers
+
+
+def sum_over(value: float, group: object | None) -> float:
+    """``value`` summed over the ranks of ``group`` (the default group when None; a CPU backend such as gloo) in
+    float64, its tensor released before it returns (:func:`release`); collective."""
+    buffers = [torch.tensor(value, dtype=torch.float64)]
+    dist.all_reduce(buffers[0], group=group)
+    total = float(buffers[0])
+    release(buffers)
+    return total
 
 
 @dataclass(frozen=True)
@@ -112,6 +188,38 @@ class MetadataExchange:
     def __init__(self, topology: Topology, peers: PeerTable | None = None) -> None:
         self.topology = topology
         self.peers = peers if peers is not None else PeerTable(topology.rank)
+        self._held: deque[list] = deque()
+        """The last exchanges' tensors, freed a few exchanges later or at exit (NOTE [ Exit-time teardown ])."""
+        self._held_bytes: deque[int] = deque()
+        close_at_exit(self, after_loaders=True)
+
+    def close(self) -> None:
+        """Free the last exchanges' tensors, waiting for the process group's worker to have dropped them (at
+        interpreter exit, once every loader's epoch is closed; the next exchange would allocate new ones)."""
+        while self._held:
+            self._release_oldest()
+
+    def __del__(self) -> None:
+        # Freed before exit -- a script's loader is often a local of a function that returns just before the
+        # interpreter exits, taking its exchange with it, and the weak registration then closes nothing: the last
+        # exchange's tensors are released here, waiting for the group's worker as close() does (measured: the
+        # loader's last exchange aborted 2 runs in 21 of benchmarks/exit_repro.py without this).
+        if getattr(self, "_held", None):
+            self.close()
+
+    def _hold(self, buffers: list) -> None:
+        """Keep ``buffers`` (the only references to a finished collective's tensors) for :data:`_HELD_EXCHANGES`
+        exchanges (fewer when the older ones pass :data:`_HELD_BYTES`): by then the group's worker threads have
+        long dropped the work that held them too, so they are freed on this thread and no worker needs the GIL for
+        them (:func:`release` waits for one that still does)."""
+        self._held.append(buffers)
+        self._held_bytes.append(sum(t.numel() * t.element_size() for t in buffers))
+        while len(self._held) > 1 and (len(self._held) > _HELD_EXCHANGES or sum(self._held_bytes) > _HELD_BYTES):
+            self._release_oldest()
+
+    def _release_oldest(self) -> None:
+        self._held_bytes.popleft()
+        release(self._held.popleft())
 
     @contextmanager
     def guarded(self, what: str) -> Iterator[None]:
@@ -126,11 +234,12 @@ class MetadataExchange:
         row = np.ascontiguousarray(row, dtype=np.int64)
         if self.topology.world_size == 1:
             return row[None].copy()
-        send = torch.from_numpy(row)
-        out = [torch.empty_like(send) for _ in range(self.topology.world_size)]
+        buffers = [torch.from_numpy(row), *(torch.empty(row.shape, dtype=torch.int64)
+                                            for _ in range(self.topology.world_size))]
         with self.guarded("metadata exchange"):
-            dist.all_gather(out, send, group=self.topology.group)
-        return torch.stack(out).numpy()
+            dist.all_gather(buffers[1:], buffers[0], group=self.topology.group)
+        self._hold(buffers)
+        return torch.stack(buffers[1:]).numpy()
 
 
 def pid_alive(pid: int) -> bool:
@@ -204,15 +313,19 @@ class TwoLevelExchange(MetadataExchange):
         g, world = self.groups, self.topology.world_size
         block = self.inner.all_gather(row)  # [k, size] of this planning group
         widest = max(b - a for a, b in zip(g.starts, g.starts[1:] + (world,)))
-        table = torch.empty((world, row.size), dtype=torch.int64)
+        buffers = [torch.empty((world, row.size), dtype=torch.int64)]
+        table = buffers[0]
         with self.guarded("two-level metadata exchange"):
             if g.inner.rank == 0:
-                padded = torch.zeros((widest, row.size), dtype=torch.int64)
-                padded[:len(block)] = torch.from_numpy(block)
-                out = [torch.empty_like(padded) for _ in g.starts]
-                dist.all_gather(out, padded, group=g.leaders)
+                buffers.append(torch.zeros((widest, row.size), dtype=torch.int64))
+                buffers[-1][:len(block)] = torch.from_numpy(block)
+                out = [torch.empty_like(buffers[-1]) for _ in g.starts]
+                dist.all_gather(out, buffers[-1], group=g.leaders)
                 for s, start in enumerate(g.starts):
                     end = g.starts[s + 1] if s + 1 < len(g.starts) else world
                     table[start:end] = out[s][:end - start]
+                buffers.extend(out)
+                del out
             dist.broadcast(table, src=self._leader, group=g.inner.group)
-        return table.numpy()
+        self._hold(buffers)
+        return table.numpy().copy()

@@ -49,6 +49,7 @@ from ..balance.dispatch import exchange_packed, pack_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
 from ..planning.pooled.plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
 from ..planning.grouping import GroupingConfig
+from ..planning.timecost import TimeCost, default_time_cost
 from .balancing import BalancedRound
 from .comm import MetadataExchange, PlanningGroups
 from .transfer import Moves, pack, peek, receive_failure, unpack
@@ -99,7 +100,7 @@ class GlobalRound:
 
     def __init__(self, exchange: MetadataExchange, groups: PlanningGroups, grouping: GroupingConfig,
                  alignment: AlignmentConfig, payloads: dict, *, pair_keys: bool, moves: Moves | None = None,
-                 grad_accum_steps: int = 1) -> None:
+                 grad_accum_steps: int = 1, time_cost: TimeCost | None = None) -> None:
         self.exchange = exchange
         """World-wide exchange (flat or two-level): exchange B and the fingerprints."""
         self.groups = groups
@@ -113,7 +114,8 @@ class GlobalRound:
         self.rank = exchange.topology.rank
         self.extra_names = tuple(grouping.extra_budgets)
         self.config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
-                                       max_wait_rounds=alignment.max_wait_rounds, grad_accum_steps=grad_accum_steps)
+                                       max_wait_rounds=alignment.max_wait_rounds, grad_accum_steps=grad_accum_steps,
+                                       time_cost=time_cost or default_time_cost(grouping.cost))
         self.moves = moves if moves is not None else Moves()
         """The loader's count of what this rank sent to peers (``loader.moves``)."""
         self.progress = EpochProgress()

@@ -23,9 +23,13 @@ STATE_FIELDS = {
     "version": int, "fingerprint": int, "world_size": int, "rank": int, "token_budget": int,
     "num_samples": (int, type(None)), "join": bool, "epoch": int, "finished": bool, "step": int,
     "num_workers": int, "carry": list, "next_carry": list, "consumed": list, "stream": (list, type(None)),
+    "content": (int, type(None)), "config": (dict, type(None)),
 }
 """``stream``: None (the rank reads its shard of the epoch) or the keys dealt to it when the epoch was resumed on
-another number of ranks (NOTE [ Re-dealing a resumed epoch ] in evenflow.runtime.redeal)."""
+another number of ranks (NOTE [ Re-dealing a resumed epoch ] in evenflow.runtime.redeal). ``content``: the data's
+token-content fingerprint (a map-style dataset's few items, an iterable stream's first samples: NOTE [ Sharding
+mistakes ] in evenflow.runtime.shard_check), None when it could not be taken. ``config``: the arguments that decide
+the batches, by name, so a refusal names the one that changed (None in states of earlier releases)."""
 
 _INT_LIMIT = 2 ** 62
 """No real counter comes near it; beyond it ``2 * step + 1`` would not fit the int64 round report."""
@@ -64,6 +68,8 @@ def check_schema(state: Mapping) -> None:
             ok = value is None or _is_int(value)
         if kind == (list, type(None)):
             ok = value is None or isinstance(value, (list, tuple))
+        if kind == (dict, type(None)):
+            ok = value is None or isinstance(value, Mapping)
         if not ok:
             raise ValueError(f"cannot resume: state[{name!r}] is {type(value).__name__} {value!r:.60}, expected "
                              f"{_kind_name(kind)}; the state was modified or corrupted")

@@ -1,23 +1,43 @@
-"""Sharding mistakes caught at the first round: a map-style dataset split twice, iterable streams not split.
+"""Sharding mistakes caught in an epoch's first rounds: a map-style dataset split twice, iterable streams not split.
 
 NOTE [ Sharding mistakes ]
     The loader shards a map-style dataset by index itself, so every rank must hold the *same* dataset; an
     ``IterableDataset`` is each rank's *own* stream, so ranks must read *different* ones. Both mistakes train
     silently otherwise: a map-style dataset already split per rank (``datasets.distributed.split_dataset_by_node``,
-    ``Dataset.shard(num_shards=W, index=rank)``) is split again and trains 1/W of the data -- the lengths match on
-    every rank, so comparing ``len()`` cannot see it; an unsplit iterable trains every sample W times.
+    ``Dataset.shard(num_shards=W, index=rank)``) is split again and trains 1/W of the data -- its length matches
+    on every rank, and so may the lengths and first tokens of its items (samples padded to a fixed length after a
+    shared system prompt); an unsplit iterable, each rank shuffling it with its own seed, trains every sample W
+    times. What is compared is a sample's *token content*: ``input_ids`` and ``labels``, digested in full
+    (:func:`token_digest`); other keys (pixel values, audio features) may change between reads or by rank.
 
-    - Map-style: :func:`content_print` reads ``PICKS`` items at indices spread over ``len(dataset)`` (the same
-      indices on every rank) twice in the main process, once per loader, when its first epoch starts on more than
-      one rank: their lengths (``length_fn``, default ``len(input_ids)``) and a digest of their first
-      ``HEAD_TOKENS`` token ids, each kept only where both reads agree (a ``__getitem__`` with random lengths or
-      tokens fingerprints what is stable, or nothing). The result joins ``len(dataset)`` in the first exchange's
-      ``data`` field, which every rank must agree on (evenflow.planning.alignment): a double split is refused on
-      every rank in the first round. Cost: ``2 x PICKS`` ``__getitem__`` calls in the main process.
-    - Iterable: :func:`stream_print` digests the lengths and head tokens of the first ``PICKS`` samples a rank
-      buffered (at least ``MIN_STREAM``: a stream of 1-3 samples is not compared, their lengths could coincide); sent once per epoch in the first round's report (``RankReport.stream``). All ranks equal (and more
-      than one rank) means identical streams: refused on every rank in the first round. Cost: none beyond
-      hashing a few short token prefixes.
+    - Map-style (:func:`content_print`): ``PICKS`` items at indices spread over ``len(dataset)`` (the same indices
+      on every rank) are read twice in the main process, once per loader. Token content that changes between the
+      two reads (a random crop or truncation, a random prompt) cannot be compared: the rank refuses the epoch in
+      its first round, naming ``shard_check=False`` (a split dataset with random crops is refused the same way).
+      Otherwise the digests join ``len(dataset)`` in the first exchange's ``content`` field, which every rank
+      must agree on (evenflow.planning.alignment): a dataset split per rank is refused on every rank in the first
+      round, whatever its padding or shared prompt. A whole dataset whose augmentation is seeded by (rank, index)
+      and changes token ids cannot be told from a split one by its content: refused too, naming the flag.
+      Cost: ``2 x PICKS`` ``__getitem__`` calls and their digests, once per loader.
+    - Iterable (evenflow.runtime.stream_check): each rank digests the first ``window`` samples of its stream
+      (``buffer_size``, at most ``MAX_WINDOW``); once every rank has them (or ran dry) -- the first round when
+      the buffer fills, a later one when the warm-up starts rounds earlier -- the ranks gather them once per
+      loader (a bottom-k sketch above ``FULL_WORLD`` ranks) and count identical samples *across* ranks
+      (X, pairs of copies on two ranks) and *within* ranks (Y). Streams split per rank share only natural
+      repeats, and a repeated sample's copies land on two ranks (W - 1) times as often as on one, so X is about
+      (W - 1) Y; unsplit streams share every sample, X >> Y. Refused when X >= ``MIN_SHARED``, X >= ``RATIO``
+      (W - 1) Y, and the binomial tail P[Bin(X + Y, (W - 1) / W) >= X] <= ``ALPHA`` (the chance that split
+      streams' repeats fall this unevenly). Unsplit streams of N samples share about C(W, 2) window^2 / N: at
+      W = 2, window = 4,096, N = 1M that is 16.8 pairs, refused with probability 99.8 % (measured: 99 of 100
+      seeds; every seed at N <= 100K or W >= 4); larger streams slip through (W = 2: 34 of 100 missed at 2M, 84
+      at 4M). Split streams whose samples repeat 5 % within each stream share nothing: 0 refusals; when the data
+      set's repeats are dealt across ranks they do share, and the rule refuses at most ~0.3 % of seeds at its
+      worst N (measured: 1 of 2,400; benchmarks/shard_check_sim.py, on digests, docs/mistakes.md). Cost: one
+      digest per sample of the window (~55 us for 840 tokens), one all_gather of window int64 per rank, once
+      per loader (benchmarks/bench_shard_check.py).
+
+    ``shard_check=False`` turns both checks off (the loader's argument; it is not part of the configuration
+    fingerprint: a state saved with either value resumes with the other).
 """
 
 from __future__ import annotations
@@ -25,67 +45,99 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..planning.alignment import NO_VALUE, config_fingerprint
 
-__all__ = ["PICKS", "HEAD_TOKENS", "MIN_STREAM", "content_print", "stream_print"]
+__all__ = ["PICKS", "TOKEN_KEYS", "token_digest", "ContentPrint", "content_print"]
 
 PICKS = 8
-"""Items read (twice) for a map-style dataset's content fingerprint; samples digested for a stream's."""
-HEAD_TOKENS = 16
-"""Leading token ids of each picked item that enter its digest."""
-MIN_STREAM = 4
-"""Fewest buffered samples a stream fingerprint is taken from (fewer: not compared)."""
+"""Items read (twice) for a map-style dataset's content fingerprint; stream samples in a resume fingerprint."""
+TOKEN_KEYS = ("input_ids", "labels")
+"""The keys whose content is digested: what the model trains on, unlike media that augmentation may change."""
 
 
-def _signature(sample: object) -> tuple[int, int] | None:
-    """(number of input ids, digest of the head tokens) of one sample, or None when it is not a token sample.
-    No ``length_fn``: user code that could block stays on the collation thread, where it is bounded."""
+def token_digest(sample: object) -> int | None:
+    """A 62-bit digest of ``input_ids`` and ``labels`` in full (values and shapes, as int64), or None when the
+    sample is not a mapping with integer ``input_ids``. Two samples digest alike iff they train the same tokens.
+    Never raises: it runs on every sample of a stream's window, and a bad sample is the loader's to report."""
     if not isinstance(sample, Mapping) or sample.get("input_ids") is None:
         return None
-    ids = sample["input_ids"]
-    head = ids[:HEAD_TOKENS].numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids[:HEAD_TOKENS])
-    length = len(ids)
-    digest = int.from_bytes(hashlib.blake2b(np.ascontiguousarray(head, dtype=np.int64).tobytes(),
-                                            digest_size=7).digest(), "little")
-    return length, digest
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        for key in TOKEN_KEYS:
+            value = sample.get(key)
+            if value is None:
+                h.update(b"-")
+                continue
+            if isinstance(value, torch.Tensor):
+                plain = value.device.type == "cpu" and not value.requires_grad
+                value = value.numpy() if plain else value.detach().cpu().numpy()
+            arr = np.ascontiguousarray(value, dtype=np.int64)  # no copy for int64 token ids
+            h.update(repr(arr.shape).encode())
+            h.update(arr.data)
+    except Exception:  # noqa: BLE001 - ragged, nested, non-numeric: measured (and named) by the loader itself
+        return None
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
-def content_print(dataset: Sequence, limit_s: float | None = None) -> tuple:
-    """Stable per-item facts of ``PICKS`` spread items (NOTE [ Sharding mistakes ]); ``()`` when none are, or
+# -- map-style ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContentPrint:
+    """What a few items of a map-style dataset say about its content (NOTE [ Sharding mistakes ])."""
+
+    value: int | None
+    """Fingerprint of the picked items' token digests; None when they cannot be compared (unreadable in time,
+    not token samples, or token content that changes between reads)."""
+    unstable: tuple[int, ...] = ()
+    """Indices whose token content changed between two reads."""
+
+    def error(self, rank: int) -> ValueError | None:
+        """The refusal of a dataset whose token ids change between reads (None when they do not)."""
+        if not self.unstable:
+            return None
+        return ValueError(
+            f"evenflow: rank {rank}: the dataset's token ids change between reads (item(s) {list(self.unstable)} read "
+            "twice in a row gave different input_ids/labels: a random crop or truncation, a random prompt). The "
+            "loader compares the token content of a few items across ranks to refuse a dataset already split per "
+            "rank (datasets.distributed.split_dataset_by_node, Dataset.shard), which would be split again and train "
+            "1/W of the data; content that changes on every read cannot be compared. If every rank holds the whole "
+            "dataset, pass shard_check=False (or seed the augmentation by (seed, epoch, index), the same on every "
+            "rank); if it is split per rank, pass the whole dataset: the loader shards it by index")
+
+    @property
+    def compared(self) -> int:
+        """The report's ``content`` field: the fingerprint, or NO_VALUE (not compared)."""
+        return NO_VALUE if self.value is None else self.value
+
+
+def content_print(dataset: Sequence, limit_s: float | None = None) -> ContentPrint:
+    """Token digests of ``PICKS`` spread items, each read twice (NOTE [ Sharding mistakes ]). Not compared
     when reading them takes longer than ``limit_s`` (a ``__getitem__`` that blocks is then met -- and named,
-    under ``worker_timeout`` -- by the epoch's own stream; the reader thread is left behind, a daemon)."""
+    under ``worker_timeout`` -- by the epoch's own stream; the reader thread is left behind, a daemon) or fails."""
     n = len(dataset)
     picks = sorted({(k * n) // PICKS for k in range(PICKS)} - {n}) if n else []
     got: list = []
 
     def read() -> None:
-        got.append([_signature(dataset[i]) for i in picks])
-        got.append([_signature(dataset[i]) for i in picks])
+        try:
+            got.append([token_digest(dataset[i]) for i in picks])
+            got.append([token_digest(dataset[i]) for i in picks])
+        except Exception:  # noqa: BLE001 - a failing item is named by the epoch's own stream, with its index
+            pass
 
     reader = threading.Thread(target=read, name="evenflow-shard-check", daemon=True)
     reader.start()
     reader.join(limit_s)
     if len(got) < 2:  # timed out, or a failing item (reported by the epoch's own stream, with its index)
-        return ()
+        return ContentPrint(None)
     first, again = got
-    if any(s is None for s in first + again):
-        return ()
-    lengths = tuple(a[0] for a in first) if all(a[0] == b[0] for a, b in zip(first, again)) else None
-    digests = tuple(a[1] for a in first) if first == again else None
-    return (lengths, digests) if lengths is not None or digests is not None else ()
-
-
-def stream_print(samples: Sequence[object]) -> int:
-    """Fingerprint of a rank's first buffered samples (lengths and head tokens); NO_VALUE with fewer than
-    ``MIN_STREAM`` (a short stream's few samples could coincide across ranks by chance)."""
-    try:  # runs inside the round's report: it must never raise (a peer would wait for this rank)
-        signatures = [_signature(s) for s in samples[:PICKS]]
-    except Exception:  # noqa: BLE001 - an odd sample is measured (and reported) by the loader itself
-        return NO_VALUE
-    if len(signatures) < MIN_STREAM or any(s is None for s in signatures):
-        return NO_VALUE
-    return config_fingerprint(tuple(signatures))
+    if not picks or any(d is None for d in first + again):
+        return ContentPrint(None)
+    unstable = tuple(i for i, a, b in zip(picks, first, again) if a != b)
+    if unstable:
+        return ContentPrint(None, unstable)
+    return ContentPrint(config_fingerprint("tokens", tuple(first)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from .comm import pid_alive
 
-__all__ = ["shard_indices", "StreamOptions", "Streams"]
+__all__ = ["shard_indices", "check_dataset", "StreamOptions", "Streams"]
 
 
 def shard_indices(num_samples: int, *, rank: int, world_size: int, epoch: int, seed: int,
@@ -83,8 +83,16 @@ def _pack(item):
     return _pack_value(item)
 
 
+def _dense(obj: torch.Tensor) -> bool:
+    """A plain strided tensor (what numpy and ``untyped_storage`` take). Nested, sparse, quantized or opaque
+    (MKL-DNN) tensors and subclasses are left to torch's own worker transport, which carries each of them."""
+    return type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_nested and not obj.is_quantized
+
+
 def _pack_value(obj):
     if isinstance(obj, torch.Tensor):
+        if not _dense(obj):
+            return obj
         nbytes = obj.numel() * obj.element_size()
         if (obj.device.type == "cpu" and not obj.requires_grad and obj.dtype in _NUMPY_DTYPES
                 and nbytes < _PICKLE_MAX_BYTES):
@@ -102,8 +110,8 @@ def _pack_value(obj):
 # NOTE [ Samples that cannot be pickled ]
 #     A worker hands its result to a queue feeder thread, which pickles it; when that fails (a lock, an open
 #     file, a generator in the sample) the feeder prints a traceback and *drops* the sample, and the main
-#     process waits for it forever. So the worker pickles every leaf that is not a tensor, array or plain
-#     value itself (cheap: token samples have none) and raises, naming the sample index; the DataLoader
+#     process waits for it forever. So the worker pickles every leaf that is not a dense tensor, array or
+#     plain value itself (cheap: token samples have none) and raises, naming the sample index; the DataLoader
 #     re-raises that in the main process like any dataset error.
 _PLAIN = (torch.Tensor, np.ndarray, np.generic, str, bytes, int, float, bool, type(None))
 
@@ -121,6 +129,11 @@ def _check_picklable(item) -> None:
 
 
 def _leaves(obj, path: str):
+    if isinstance(obj, torch.Tensor) and not _dense(obj):
+        # Nested, sparse, quantized tensors and subclasses travel through torch's own transport; an MKL-DNN tensor
+        # cannot (no storage): its feeder thread would fail and drop the sample. Pickled once here, rare.
+        yield path, obj
+        return
     if isinstance(obj, _PLAIN):
         return
     if isinstance(obj, dict):
@@ -192,10 +205,50 @@ class _NotePid:
             self.user_fn(worker_id)
 
 
+_EXPECTED = ("expected a map-style dataset -- len(dataset) and dataset[i] -> {'input_ids': ..., 'labels': ...}: a "
+             "list of per-sample dicts, a torch Dataset, a datasets.Dataset -- or a torch IterableDataset")
+
+
+def check_dataset(dataset: object) -> None:
+    """Refuse what is not a dataset, at construction and before any collective, saying what was passed and what
+    is expected (every rank passes the same kind of object, so every rank refuses it alike). A torch
+    ``Dataset`` subclass is trusted; other objects must index by position and have a length."""
+    if isinstance(dataset, (IterableDataset, Dataset)):
+        return
+    what = type(dataset).__name__
+    if isinstance(dataset, (str, bytes, os.PathLike)):
+        raise TypeError(f"DynamicBatchLoader got a {what} as its dataset ({str(dataset)[:80]!r}), which it would read "
+                        f"character by character; {_EXPECTED}. If it names a file, load it first: "
+                        "datasets.load_dataset('json', data_files=path)['train'], or json.load into a list of dicts")
+    if isinstance(dataset, DataLoader):
+        raise TypeError("DynamicBatchLoader got a DataLoader as its dataset; it runs the DataLoader itself (its "
+                        "workers: num_workers=, prefetch_factor=, ...) and forms the batches by token_budget=. Pass "
+                        f"the DataLoader's dataset (loader.dataset) instead; {_EXPECTED}")
+    if isinstance(dataset, Mapping):
+        keys = list(dataset)[:6]
+        if keys and all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+            return  # {0: sample, 1: sample, ...} indexes by position: a map-style dataset
+        values = [dataset[k] for k in keys]
+        if values and all(hasattr(v, "column_names") or isinstance(v, (Dataset, IterableDataset)) for v in values):
+            raise TypeError(f"DynamicBatchLoader got a {what} of splits {keys} as its dataset (what "
+                            "datasets.load_dataset returns without split=); pass one split, e.g. dataset['train']")
+        raise TypeError(f"DynamicBatchLoader got a dict of columns (a {what} with keys {keys}) as its dataset; "
+                        "indexing it by position fails (KeyError: 0). Pass a list of per-sample dicts "
+                        "([dict(zip(d, row)) for row in zip(*d.values())]) or datasets.Dataset.from_dict(d); "
+                        f"{_EXPECTED}")
+    if isinstance(dataset, Iterator):
+        raise TypeError(f"DynamicBatchLoader got a {what} (an iterator, readable once) as its dataset; wrap it in a "
+                        "torch IterableDataset whose __iter__ creates it anew each epoch (and shards it by rank), or "
+                        f"materialize it as a list; {_EXPECTED}")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(f"DynamicBatchLoader got a {what} as its dataset; {_EXPECTED}")
+
+
 class Streams:
     """Owns the worker DataLoader and hands out one ``(key, sample)`` iterator per epoch."""
 
     def __init__(self, dataset: Dataset, options: StreamOptions) -> None:
+        check_dataset(dataset)
         self.iterable = isinstance(dataset, IterableDataset)
         self.dataset = dataset
         self.num_workers = options.num_workers

@@ -14,8 +14,11 @@ NOTE [ Moved samples ]
     int64 beside the pickle, so a receiver that cannot unpickle (a class only the sender can import, a
     ``__reduce__`` that raises, a MemoryError) still names the sample and its sender.
 
-    Tensors that are not plain, dense, CPU and grad-free (subclasses, sparse or quantized tensors, a tensor
-    that requires grad) are left to torch's own pickling, storage and all.
+    Tensors that are not plain, dense, CPU and grad-free (subclasses, nested, sparse or quantized tensors, a
+    tensor that requires grad) are left to torch's own pickling, storage and all. A nested tensor's layout is
+    ``torch.strided`` too, but its bytes are not one flat buffer (``reshape(-1)`` refuses it): e25fa43 sent it as
+    one and every rank failed with a bare ``RuntimeError: reshape``. What torch cannot pickle either (an MKL-DNN
+    tensor) is refused on its home rank, naming the sample and the fix (``planning='local'``), on every rank.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ _META, _HEAD = "meta", "head"
 def _plain(obj: object) -> bool:
     """A tensor whose own bytes, dtype and shape are all of it (see NOTE [ Moved samples ])."""
     return (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
-            and not obj.requires_grad and not obj.is_quantized and not obj.is_conj() and not obj.is_neg())
+            and not obj.is_nested and not obj.requires_grad and not obj.is_quantized and not obj.is_conj()
+            and not obj.is_neg())
 
 
 class _Pickler(pickle.Pickler):

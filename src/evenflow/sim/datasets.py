@@ -6,6 +6,8 @@
 * :func:`matched_lengths` -- a seeded two-component log-normal mixture with a given mean, coefficient of
   variation (CV = std / mean) and fraction of short samples; :data:`PAPER_SHAPES` matches the datasets of the
   ODB paper (UltraChat CV 0.48, LLaVA 0.29, ShareGPT4o 1.00, MM-Mix 0.80 with many short samples).
+* :func:`three_modality_examples` -- one step of a text + image + video + audio mix on every rank, by a
+  pinned :data:`THREE_MODALITY_SHAPES` name (``"omni_mix"``).
 
 NOTE [ Paper-matched shapes ]
     The papers publish each dataset's CV (and, for MM-Mix, that most samples are short), not its length
@@ -14,6 +16,14 @@ NOTE [ Paper-matched shapes ]
     fraction and the longest sample (which sets the fixed batch size), so the means are reported with
     every result. Lengths are clipped to ``cutoff`` (a training ``cutoff_len``); the CV is matched *after*
     clipping.
+
+NOTE [ The pinned three-modality shape ]
+    The OrchMLLM paper publishes neither its data mix nor its per-rank batches, so the simulated three-modality
+    step (:data:`THREE_MODALITY_SHAPES`) is a *chosen* shape, pinned by name so that every figure computed from
+    it says which: per rank, ``examples_per_rank`` examples of a seeded kind (text, image, video, audio, image +
+    audio), each with text and media drawn from log-normal mixtures matched by mean and CV after clipping
+    (:func:`matched_lengths`). What moves the figures is the long tail of single items -- a 5-minute clip, a
+    3 MP photo, a 64-frame video on one rank -- which is why the shape has one.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["LengthShape", "PAPER_SHAPES", "matched_lengths", "paper_lengths", "describe", "qwen3_tokenizer_dir",
-           "chat_lengths", "chitchat_lengths", "SHORT_TOKENS"]
+           "chat_lengths", "chitchat_lengths", "SHORT_TOKENS", "ThreeModalityShape", "THREE_MODALITY_SHAPES",
+           "three_modality_examples", "example_tokens"]
 
 SHORT_TOKENS = 256
 """A sample is *short* below this many tokens (used to report and match the short fraction)."""
@@ -95,6 +106,84 @@ def matched_lengths(n: int, shape: LengthShape, *, seed: int = 0) -> np.ndarray:
         cv_in *= shape.cv / got
         out = _mixture(z_short, z_long, pick_short, shape, cv_in)
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThreeModalityShape:
+    """What one data-parallel rank holds in one step of a text + image + video + audio mix (NOTE [ The pinned
+    three-modality shape ]). Media sizes are in encoder rows: 14-pixel patches, 10 ms mel frames."""
+
+    examples_per_rank: int
+    kinds: tuple[tuple[str, float], ...]
+    """``(kind, probability)``: ``text``, ``image`` (one or two images), ``video``, ``audio`` (a spoken turn),
+    ``image_audio`` (an image and a spoken question)."""
+    text_tokens: LengthShape
+    image_patches: LengthShape
+    """Patch rows of one image; its grid is near-square (aspect ratio log-uniform in [1/2, 2]), sides even."""
+    second_image: float
+    """Probability that an image example holds a second image."""
+    video_temporal_patches: tuple[int, int]
+    """Temporal patches (2 frames each) of a video, uniform in this inclusive range."""
+    video_frame: tuple[int, int]
+    """Patches ``(h, w)`` of one video frame."""
+    audio_frames: LengthShape
+    """Mel frames (100 per second) of one clip."""
+    note: str = ""
+
+
+THREE_MODALITY_SHAPES: dict[str, ThreeModalityShape] = {
+    "omni_mix": ThreeModalityShape(
+        examples_per_rank=4,
+        kinds=(("text", 0.15), ("image", 0.40), ("video", 0.10), ("audio", 0.20), ("image_audio", 0.15)),
+        text_tokens=LengthShape(mean=600, cv=1.0, cutoff=8192),
+        image_patches=LengthShape(mean=1024, cv=1.0, cutoff=16384),
+        second_image=0.2, video_temporal_patches=(4, 32), video_frame=(16, 28),
+        audio_frames=LengthShape(mean=1200, cv=1.2, cutoff=30000),
+        note="assumed: OrchMLLM's setting (image, video and audio beside text) at 4 examples per rank; images "
+             "~0.2 MP (CV 1.0, up to 3.2 MP), videos 8-64 frames of 224 x 392 px, speech 12 s mean (CV 1.2, up "
+             "to 5 min), text CV 1.0"),
+}
+"""Three-modality steps by name (NOTE [ The pinned three-modality shape ])."""
+
+
+def three_modality_examples(world: int, shape: ThreeModalityShape | str = "omni_mix", *, seed: int = 0
+                            ) -> list[list[dict]]:
+    """Per rank, its examples: ``{"kind", "text", "images": [(h, w)], "videos": [(t, h, w)], "audio": [frames]}``.
+    Seeded by ``(seed, world)``: the same step for the same arguments."""
+    shape = THREE_MODALITY_SHAPES[shape] if isinstance(shape, str) else shape
+    n = world * shape.examples_per_rank
+    rng = np.random.default_rng([seed, world])
+    names = [k for k, _ in shape.kinds]
+    kind = rng.choice(len(names), size=n, p=np.array([p for _, p in shape.kinds]) / sum(p for _, p in shape.kinds))
+    text = matched_lengths(n, shape.text_tokens, seed=int(rng.integers(2 ** 31)))
+    area = matched_lengths(2 * n, shape.image_patches, seed=int(rng.integers(2 ** 31)))
+    ratio = np.exp(rng.uniform(np.log(0.5), np.log(2.0), size=2 * n))
+    img_h = np.maximum(2, np.rint(np.sqrt(area / ratio) / 2).astype(np.int64) * 2)
+    img_w = np.maximum(2, np.rint(np.sqrt(area * ratio) / 2).astype(np.int64) * 2)
+    second = rng.random(n) < shape.second_image
+    lo, hi = shape.video_temporal_patches
+    temporal = rng.integers(lo, hi + 1, size=n)
+    frames = matched_lengths(n, shape.audio_frames, seed=int(rng.integers(2 ** 31)))
+    out, vh, vw = [], *shape.video_frame
+    for e in range(n):
+        k = names[int(kind[e])]
+        images = [(int(img_h[2 * e]), int(img_w[2 * e]))] if k in ("image", "image_audio") else []
+        if k == "image" and second[e]:
+            images.append((int(img_h[2 * e + 1]), int(img_w[2 * e + 1])))
+        out.append({"kind": k, "text": int(text[e]), "images": images,
+                    "videos": [(int(temporal[e]), vh, vw)] if k == "video" else [],
+                    "audio": [int(frames[e])] if k in ("audio", "image_audio") else []})
+    per = shape.examples_per_rank
+    return [out[r * per:(r + 1) * per] for r in range(world)]
+
+
+def example_tokens(example: dict, *, merge: int = 2) -> int:
+    """LLM tokens of one :func:`three_modality_examples` example: its text, each image's and video's merged
+    patches (``t * h * w / merge**2``) and each clip's rows (``frames / 4``), each medium between two markers."""
+    media = sum(h * w // merge ** 2 + 2 for h, w in example["images"])
+    media += sum(t * h * w // merge ** 2 + 2 for t, h, w in example["videos"])
+    media += sum(((f - 1) // 2 + 1 - 2) // 2 + 1 + 2 for f in example["audio"])
+    return example["text"] + media
 
 
 def paper_lengths(name: str, n: int, *, seed: int = 0, cutoff: int | None = None) -> np.ndarray:

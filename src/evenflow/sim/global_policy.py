@@ -19,7 +19,7 @@ import numpy as np
 
 from ..planning import AlignmentConfig, GroupingConfig
 from ..planning.pooled.plan import EpochProgress, GlobalPlanConfig, plan_global_round
-from ..planning.timecost import TimeCost
+from ..planning.timecost import TimeCost, default_time_cost
 from .policies import shard
 from .schedule import Schedule
 
@@ -80,11 +80,14 @@ def global_schedule(lengths: np.ndarray, *, world_size: int, grouping: GroupingC
     """One epoch of global planning over ``lengths`` (sample i has ``lengths[i]`` tokens). Join mode.
 
     ``mix="cost_order"`` plans as before issue 18 (:class:`~evenflow.planning.GlobalPlanConfig`), for comparison.
+    ``time_cost``: the loader's ``time_cost=`` (``None``: its default for ``grouping.cost``, NOTE [ The default
+    time cost ]); ``TimeCost()`` is the planner before issue 35 for either cost.
     ``grad_accum_steps``: the loader's; it orders each round's steps (NOTE [ Round order ]), and consecutive
     ``grad_accum_steps`` loader steps form an optimizer step (``step_composition(..., grad_accum_steps=)``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
-                              max_wait_rounds=alignment.max_wait_rounds, time_cost=time_cost or TimeCost(),
+                              max_wait_rounds=alignment.max_wait_rounds,
+                              time_cost=time_cost or default_time_cost(grouping.cost),
                               ranks_per_node=ranks_per_node, keep_home_tolerance=keep_home_tolerance, mix=mix,
                               mix_tolerance=mix_tolerance, grad_accum_steps=grad_accum_steps)
     extra = {k: np.asarray(v, dtype=np.int64) for k, v in (extra or {}).items()}

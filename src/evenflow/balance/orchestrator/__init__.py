@@ -2,14 +2,19 @@
 
 One step, on every rank of ``group``:
 
-1. ``gather_metadata`` -- the only exchange planning needs: per example its LLM length, supervised tokens
-   and the input rows of each media item (image patches, audio frames).
+1. ``gather_metadata`` / ``gather_examples`` -- the only exchange planning needs, one fixed-width all_gather
+   (NOTE [ One metadata exchange ] in ``runtime.py``): per example its LLM length, supervised tokens and, per
+   media item, its input rows and its integers (``PhaseSpec.meta_width``: a grid, a kind).
 2. ``plan_step`` -- pure: one :func:`~evenflow.balance.planners.plan_balance` per phase. Images go to
-   balanced *vision* ranks, audio clips to balanced *audio* ranks, examples to balanced *LLM* ranks. It needs
-   metadata only, so the plan for step t+1 can be computed (e.g. in a thread) while step t runs.
-3. ``step`` -- the data moves: text to its LLM rank, each phase's inputs to its encoder rank (one
-   ``all_to_all_single`` each), the encoders run, and their outputs go *directly* to the LLM rank of their
-   example in ONE differentiable all-to-all for all phases (NOTE [ Composed routing ]).
+   balanced *vision* ranks, audio clips to balanced *audio* ranks, examples to balanced *LLM* ranks, each
+   phase under its own cost rule (``PhaseSpec.item_cost``), output-length rule (``PhaseSpec.output_rows``)
+   and per-rank row cap (``PhaseSpec.max_rows_per_rank``). It needs metadata only, so the plan for step t+1
+   can be computed (e.g. in a thread) while step t runs.
+3. ``step`` -- the data moves: text to its LLM rank, with the per-token fields computed where the example was
+   loaded (``OrchestratorConfig.token_fields``: positions need the grids), each phase's inputs to its encoder
+   rank (one ``all_to_all_single`` each), the encoders run, and their outputs go *directly* to the LLM rank of
+   their example in ONE differentiable all-to-all for all phases (NOTE [ Composed routing ]). A failure on one
+   rank reaches every rank inside these exchanges (NOTE [ Failures inside a step ] in ``failures.py``).
 
 NOTE [ Composed routing ]
     An image of example e lives on rank s, is encoded on rank v = vision_dest(image) and is consumed on rank
@@ -31,14 +36,18 @@ Every rank runs every encoder every step, with zero rows if it encodes nothing, 
 encoder parameters never diverge (and the all-to-all backward, which every rank must enter, is reached).
 
 Modules: ``meta`` (config, metadata), ``plan`` (``plan_step``), ``routing`` (``rank_routing``), all pure;
-``runtime`` holds the tensors and the only ``torch.distributed`` calls of the orchestrator.
+``failures`` (how a rank's failure travels in the step's exchanges); ``runtime`` holds the tensors and the
+only ``torch.distributed`` calls of the orchestrator. Stock Hugging Face VLMs on top of it:
+:mod:`evenflow.models.hf_vlm`.
 """
 
-from .meta import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata
-from .plan import PhasePlan, StepPlan, plan_step
+from .failures import ExampleError
+from .meta import ExampleMeta, ItemRule, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata
+from .plan import PhaseBalance, PhasePlan, StepPlan, plan_step
 from .routing import RankRouting, rank_routing
-from .runtime import Encoder, ExampleInputs, GlobalOrchestrator, LLMInputs, local_step
+from .runtime import Encoder, ExampleInputs, GlobalOrchestrator, LLMInputs, check_examples, local_step
 
 __all__ = ["PhaseSpec", "OrchestratorConfig", "ExampleMeta", "ExampleInputs", "PhasePlan", "StepPlan",
-           "RankRouting", "LLMInputs", "GlobalOrchestrator", "plan_step", "rank_routing", "encode_metadata",
-           "decode_metadata", "local_step", "Encoder"]
+           "PhaseBalance", "RankRouting", "LLMInputs", "GlobalOrchestrator", "plan_step", "rank_routing",
+           "encode_metadata", "decode_metadata", "local_step", "check_examples", "Encoder", "ItemRule",
+           "ExampleError"]

@@ -6,7 +6,7 @@ rank straight to the LLM rank of their example, all phases in one exchange.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,61 +60,70 @@ class RankRouting:
     """Per phase, rows of the received buffer in (LLM example, item) order."""
     media_counts: dict[str, list[int]]
     """Per phase, output rows per LLM example."""
+    enc_item_meta: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per phase, ``[items, meta_width]`` metadata of each item this rank encodes, in arrival order."""
+    llm_items: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per phase, global ids of the items whose outputs this rank's LLM examples consume, in (example, item)
+    order: the order of ``media_index``."""
 
 
-def _encoder_inputs(plan: StepPlan, rank: int) -> tuple[dict, dict, dict, dict, np.ndarray, list[int]]:
+def _encoder_inputs(plan: StepPlan, rank: int) -> tuple[dict, dict, dict, dict, dict, np.ndarray, list[int]]:
     """Input exchange per phase, and the send side of the output exchange (NOTE [ Composed routing ])."""
     W = plan.world
-    in_send_items, in_send, in_recv, enc_rows = {}, {}, {}, {}
-    out_blocks = []  # per phase: (LLM rank, start row in cat(outputs), rows) of each item encoded here
+    in_send_items, in_send, in_recv, enc_rows, enc_meta = {}, {}, {}, {}, {}
+    # Per item encoded here, over all phases: its LLM rank, phase, arrival position, start row in cat(outputs)
+    # and output rows. The send buffer holds, for each destination d and each phase, that phase's items bound
+    # for d in arrival order: one lexsort, no loop over ranks (2,560 of them at scale).
+    blocks: list[tuple[np.ndarray, ...]] = []
     phase_offset = 0
-    out_send = np.zeros(W, dtype=np.int64)
-    for p in plan.phases:
+    for pi, p in enumerate(plan.phases):
         it = plan.items[p]
         local = np.flatnonzero(plan.source[it.example] == rank)  # global ids; local index = position in `local`
         in_send_items[p] = np.argsort(it.dest[local], kind="stable").tolist()
         in_send[p] = _bincount(it.dest[local], it.rows[local], W)
-        enc = np.flatnonzero(it.dest == rank)
+        enc = np.flatnonzero(it.dest == rank)  # arrival order: by source rank, then as sent = global id order
         enc_rows[p] = it.rows[enc].tolist()
+        enc_meta[p] = it.meta[enc] if it.meta.shape[0] == it.rows.shape[0] else np.zeros((enc.size, 0), np.int64)
         in_recv[p] = _bincount(plan.source[it.example[enc]], it.rows[enc], W)
-        llm_dest = plan.dest[it.example[enc]]
-        out_blocks.append((llm_dest, _starts(it.out_rows[enc]) + phase_offset, it.out_rows[enc]))
-        out_send += np.bincount(llm_dest, weights=it.out_rows[enc], minlength=W).astype(np.int64)
-        phase_offset += int(it.out_rows[enc].sum())
-    # Send buffer: for each destination d, for each phase, that phase's items bound for d (arrival order).
-    parts = [_ranges(starts[dest == d], counts[dest == d]) for d in range(W) for dest, starts, counts in out_blocks]
-    out_send_index = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return in_send_items, in_send, in_recv, enc_rows, out_send_index, out_send.tolist()
+        out = it.out_rows[enc]
+        blocks.append((plan.dest[it.example[enc]], np.full(enc.size, pi), np.arange(enc.size),
+                       _starts(out) + phase_offset, out))
+        phase_offset += int(out.sum())
+    llm_dest, phase, pos, starts, counts = (np.concatenate(parts) for parts in zip(*blocks)) if blocks else \
+        (np.zeros(0, np.int64),) * 5
+    order = np.lexsort((pos, phase, llm_dest))
+    out_send = np.bincount(llm_dest, weights=counts, minlength=W).astype(np.int64).tolist()
+    return in_send_items, in_send, in_recv, enc_rows, enc_meta, _ranges(starts[order], counts[order]), out_send
 
 
-def _encoder_outputs(plan: StepPlan, rank: int, llm_ex: np.ndarray) -> tuple[dict, dict, list[int]]:
-    """Receive side of the output exchange: where each phase's rows land, in (LLM example, item) order."""
+def _encoder_outputs(plan: StepPlan, rank: int, llm_ex: np.ndarray) -> tuple[dict, dict, list[int], dict]:
+    """Receive side of the output exchange: where each phase's rows land, in (LLM example, item) order.
+
+    The buffer holds, for each encoder rank v, for each phase, the items (encoded on v, example trained here)
+    by global id; one lexsort over the items trained here gives every item's starting row."""
     W = plan.world
-    row = 0
-    arrival = {p: ([], []) for p in plan.phases}  # per phase: item ids, their starting row in the buffer
-    out_recv = np.zeros(W, dtype=np.int64)
-    # Receive buffer: for each source v, for each phase, items (encoded on v, example trained here) by id.
-    for v in range(W):
-        for p in plan.phases:
-            it = plan.items[p]
-            ids = np.flatnonzero((it.dest == v) & (plan.dest[it.example] == rank))
-            arrival[p][0].append(ids)
-            arrival[p][1].append(row + _starts(it.out_rows[ids]))
-            n_rows = int(it.out_rows[ids].sum())
-            row += n_rows
-            out_recv[v] += n_rows
-    media_index, media_counts = {}, {}
-    for p in plan.phases:
+    consumed = {p: np.flatnonzero(plan.dest[plan.items[p].example] == rank) for p in plan.phases}  # id order
+    v = np.concatenate([plan.items[p].dest[ids] for p, ids in consumed.items()]) if consumed else np.zeros(0, np.int64)
+    phase = np.concatenate([np.full(ids.size, pi) for pi, ids in enumerate(consumed.values())]) if consumed \
+        else np.zeros(0, np.int64)
+    ident = np.concatenate(list(consumed.values())) if consumed else np.zeros(0, np.int64)
+    rows = np.concatenate([plan.items[p].out_rows[ids] for p, ids in consumed.items()]) if consumed \
+        else np.zeros(0, np.int64)
+    order = np.lexsort((ident, phase, v))
+    start = np.empty(rows.size, dtype=np.int64)
+    start[order] = _starts(rows[order])
+    out_recv = np.bincount(v, weights=rows, minlength=W).astype(np.int64).tolist()
+    media_index, media_counts, llm_items = {}, {}, {}
+    at = 0
+    for p, ids in consumed.items():
         it = plan.items[p]
-        ids = np.concatenate(arrival[p][0]) if arrival[p][0] else np.zeros(0, np.int64)
-        starts = np.concatenate(arrival[p][1]) if arrival[p][1] else np.zeros(0, np.int64)
-        order = np.argsort(ids, kind="stable")  # global id order = (LLM example, item) order
-        ids, starts = ids[order], starts[order]
-        media_index[p] = _ranges(starts, it.out_rows[ids])
+        llm_items[p] = ids
+        media_index[p] = _ranges(start[at:at + ids.size], it.out_rows[ids])
+        at += ids.size
         per_example = np.bincount(np.searchsorted(llm_ex, it.example[ids]), weights=it.out_rows[ids],
                                   minlength=llm_ex.size).astype(np.int64) if ids.size else np.zeros(llm_ex.size, np.int64)
         media_counts[p] = per_example.tolist()
-    return media_index, media_counts, out_recv.tolist()
+    return media_index, media_counts, out_recv, llm_items
 
 
 def rank_routing(plan: StepPlan, rank: int) -> RankRouting:
@@ -123,11 +132,12 @@ def rank_routing(plan: StepPlan, rank: int) -> RankRouting:
     mine = np.flatnonzero(plan.source == rank)
     send_order = mine[np.argsort(plan.dest[mine], kind="stable")]
     llm_ex = np.flatnonzero(plan.dest == rank)
-    in_send_items, in_send, in_recv, enc_rows, out_send_index, out_send = _encoder_inputs(plan, rank)
-    media_index, media_counts, out_recv = _encoder_outputs(plan, rank, llm_ex)
+    in_send_items, in_send, in_recv, enc_rows, enc_meta, out_send_index, out_send = _encoder_inputs(plan, rank)
+    media_index, media_counts, out_recv, llm_items = _encoder_outputs(plan, rank, llm_ex)
     return RankRouting(rank=rank, text_send_positions=plan.position[send_order].tolist(),
                        text_send=_bincount(plan.dest[mine], plan.length[mine], W),
                        text_recv=_bincount(plan.source[llm_ex], plan.length[llm_ex], W), llm_examples=llm_ex,
                        llm_lengths=plan.length[llm_ex].tolist(), in_send_items=in_send_items, in_send=in_send,
                        in_recv=in_recv, enc_item_rows=enc_rows, out_send_index=out_send_index, out_send=out_send,
-                       out_recv=out_recv, media_index=media_index, media_counts=media_counts)
+                       out_recv=out_recv, media_index=media_index, media_counts=media_counts,
+                       enc_item_meta=enc_meta, llm_items=llm_items)

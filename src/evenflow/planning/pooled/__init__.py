@@ -5,6 +5,8 @@
 - mix.py    -- step 2: what each optimizer step is made of and which steps a round emits (issue 18)
 - place.py  -- steps 3 and 4: equal-cost steps (``mix="cost_order"``), each group to the rank holding most of
                its bytes
+- packs.py  -- padding-free packs (``cost="summed"``) dealt mixed and balanced on time (issue 35);
+               lpt.py, its fallback on best fit's packs
 """
 
 from .mix import EpochProgress

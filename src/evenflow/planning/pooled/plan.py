@@ -38,6 +38,8 @@ How a round is planned (every step is a function of the input only, ties broken 
    :func:`round_target`), and with fewer than ``T * W`` groups the costliest are split until every slot has work.
    ``mix="cost_order"`` is the planner before issue 18: blocks of W cost neighbours, the fullest chosen first
    (NOTE [ Choosing whole steps ]) -- steps as homogeneous in length as their costs, in a curriculum order.
+   Padding-free packs (summed cost and a ``"summed"`` time cost): the chosen groups' samples are dealt again into
+   the round's packs, mixed and balanced on time (NOTE [ Packed steps balanced on time ], packs.py).
 3. **Step order**: by length key, ascending in even rounds and descending in odd ones; shortest-longest
    alternating with ``grad_accum_steps`` > 1 (NOTE [ Round order ]); ``cost_order``: costliest step first.
 4. **Least movement.** Within a step the W groups are interchangeable: each goes to a rank by a
@@ -80,6 +82,8 @@ import numpy as np
 # Step 1 and the drain live in groups.py, steps 3 and 4 in place.py, step 2 in mix.py; the entry point here.
 from .groups import _drain_groups, _group_table, _split_to, _Table, global_groups
 from .mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
+from .lpt import balance_steps, drain_packs
+from .packs import deal_round
 from .place import _deal, _place
 from ..grouping import GroupingConfig, padded_length
 from ..timecost import TOKENS, TimeCost
@@ -103,7 +107,10 @@ class GlobalPlanConfig:
     max_wait_rounds: int = 16
     """An item that waited this many rounds is *old*: groups holding one go first (bounded waiting)."""
     time_cost: TimeCost = field(default_factory=TimeCost)
-    """Which groups share a step: sorted by this cost (default: tokens). Fixed before the epoch."""
+    """What a step balances, the budgets staying hard limits (default: tokens). Padded groups: which groups share a
+    step (sorted by it); summed, with a ``"summed"`` layout: each pack's time, the sum of its sequences' (NOTE
+    [ Packed steps balanced on time ]). Fixed before the epoch; the loader's is
+    :func:`~evenflow.planning.timecost.default_time_cost` unless ``time_cost=`` is given."""
     ranks_per_node: int | None = None
     """Consecutive ranks per node for node-aware placement; ``None``: one node."""
     keep_home_tolerance: float | None = None
@@ -277,6 +284,16 @@ def _choose(table: _Table, stats: tuple[np.ndarray, ...], steps: int, world: int
     return [table.group(int(k)) for k in chosen.tolist()]
 
 
+def _packed(config: GlobalPlanConfig) -> int:
+    """The token cap of a padding-free pack when steps are balanced on a per-sequence time (NOTE [ Packed steps
+    balanced on time ]), else 0: summed cost, a ``"summed"`` time cost, no extra budgets (their sums would need
+    their own rooms in the deal; those packs stay best fit's)."""
+    g = config.grouping
+    if g.cost != "summed" or config.time_cost.layout != "summed" or g.extra_budgets:
+        return 0
+    return g.token_budget // g.pad_to_multiple_of * g.pad_to_multiple_of if g.pad_to_multiple_of else g.token_budget
+
+
 def _num_steps(num_groups: int, num_old: int, num_items: int, world: int, config: GlobalPlanConfig,
                final: bool) -> int:
     """Full steps, or more to let old groups go -- but no more than the items can fill (``n // W``: every
@@ -355,6 +372,40 @@ def _choose_stratified(table: _Table, stats: tuple[np.ndarray, ...], lengths: np
     return [table.group(int(k)) for k in blocks[chosen].ravel()]
 
 
+SHORTFALL = 0.001
+"""A round's mixed deal may place this fraction fewer tokens than best fit's packs hold; beyond, best fit's packs
+go (NOTE [ Packed steps balanced on time ]): a round that trains fewer tokens adds steps at the epoch's end."""
+
+
+def _deal_packed(groups: list[np.ndarray], lengths: np.ndarray, ages: np.ndarray, item_time: np.ndarray, world: int,
+                 steps: int, config: GlobalPlanConfig, round_index: int,
+                 final: bool) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """The chosen packs' items dealt again into mixed, time-balanced steps (:func:`deal_round`) in NOTE [ Round
+    order ]; ``None`` when the drain cannot place every item that way (best fit's packs go instead)."""
+    items = np.sort(np.concatenate(groups))
+    most, cap = config.grouping.max_samples, _packed(config)
+    oldest = int(ages[items].max())
+    first = (ages == oldest) if oldest >= config.max_wait_rounds else np.zeros(len(lengths), dtype=bool)
+    spare = np.setdiff1d(np.arange(len(lengths)), items, assume_unique=True)
+    drain = final and len(items) == len(lengths)
+    packs, unplaced = deal_round(items, lengths, item_time, first, steps, world, cap, most, spare, drain)
+    if unplaced.size and drain:
+        return None  # the drain trains everything: best fit's packs, dealt on time
+    if sum(int(lengths[g].sum()) for g in packs) < (1 - SHORTFALL) * int(lengths[items].sum()):
+        return None
+    held = [k for k, g in enumerate(packs) if len(g)]
+    if not held:
+        return None
+    out = [packs[k] for k in held]
+    member = np.concatenate(out)
+    step_of_group = np.asarray(held, dtype=np.int64) // world
+    keys = length_keys(lengths, member, np.repeat(step_of_group, [len(g) for g in out]), steps)
+    position = np.empty(steps, dtype=np.int64)
+    position[round_order(keys, round_index, config.grad_accum_steps)] = np.arange(steps)
+    slot = position[step_of_group] * world + np.asarray(held, dtype=np.int64) % world
+    return balance_steps(out, slot, lengths, item_time, world, steps, cap, most, redeal=False)
+
+
 def _compose(groups: list[np.ndarray], times: np.ndarray, keys: np.ndarray, lengths: np.ndarray, world: int,
              steps: int, config: GlobalPlanConfig, round_index: int, *, dealt: bool) -> np.ndarray:
     """Slot of each group for the stratified mix: steps (``dealt``: W consecutive groups; otherwise formed here by
@@ -401,8 +452,12 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     steps = num_steps or _num_steps(len(table), int((stats[0] >= config.max_wait_rounds).sum()), n, world,
                                     config, final)
     dealt = False
+    packed = _packed(config)
+    item_time = config.time_cost.item_times({TOKENS: ls, **ext}) if packed else None
     if final and len(table) <= steps * world:
-        groups = _drain_groups(ls, src, ext, config.grouping, table, steps * world, config.keep_home_tolerance)
+        groups = packed and drain_packs(table.order, ls, item_time, steps * world, packed, config.grouping.max_samples)
+        groups = groups or _drain_groups(ls, src, ext, config.grouping, table, steps * world,
+                                         config.keep_home_tolerance)
     elif stratified and steps * world < len(table):
         groups = _choose_stratified(table, stats, ls, steps, world, config, progress, final)
         dealt = True
@@ -410,15 +465,29 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
         groups = _choose(table, stats, steps, world, config.max_wait_rounds)
         groups = _split_to(groups, ls, config.grouping, steps * world)
     steps = num_steps or min(steps, len(groups))  # fewer items than ranks: one step, some IDLE
-    member = np.concatenate(groups)
-    group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    lens = {TOKENS: ls[member], **{k: v[member] for k, v in ext.items()}}
-    times = config.time_cost.group_times(lens, group_of, len(groups))
-    if stratified:
-        keys = length_keys(ls, member, group_of, len(groups))
-        slot_of_group = _compose(groups, times, keys, ls, world, steps, config, progress.round, dealt=dealt)
+    packs = _deal_packed(groups, ls, ages, item_time, world, steps, config, progress.round, final) \
+        if packed and stratified else None
+    if packs is not None:  # NOTE [ Packed steps balanced on time ]
+        groups, slot_of_group = packs
+        member = np.concatenate(groups)
+        group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+        times = np.bincount(group_of, weights=item_time[member], minlength=len(groups))
     else:
-        slot_of_group = _deal(groups, times, world, steps)
+        member = np.concatenate(groups)
+        group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+        lens = {TOKENS: ls[member], **{k: v[member] for k, v in ext.items()}}
+        times = config.time_cost.group_times(lens, group_of, len(groups))
+        if stratified:
+            keys = length_keys(ls, member, group_of, len(groups))
+            slot_of_group = _compose(groups, times, keys, ls, world, steps, config, progress.round, dealt=dealt)
+        else:
+            slot_of_group = _deal(groups, times, world, steps)
+        if packed:
+            groups, slot_of_group = balance_steps(groups, slot_of_group, ls, item_time, world, steps, packed,
+                                                  config.grouping.max_samples)
+            member = np.concatenate(groups)
+            group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+            times = np.bincount(group_of, weights=item_time[member], minlength=len(groups))
     slot_of_item = slot_of_group[group_of]
     rank_of_slot = _place(slot_of_item, src[member], nbytes[member], world, steps, config.ranks_per_node or world,
                           exact=world <= EXACT_MATCH_MAX_RANKS)

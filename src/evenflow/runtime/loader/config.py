@@ -15,6 +15,7 @@ from datetime import timedelta
 from ...planning.alignment import AlignmentConfig
 from ...planning.grouping import CostModel, GroupingConfig, OversizePolicy
 from ...planning.loss import LossTokenRule
+from ...planning.timecost import TimeCost, default_time_cost
 from ..collate import FlatCollate, PadCollate
 from ..planning import PLANNING_CHOICES, PlanningChoice
 
@@ -48,6 +49,12 @@ class LoaderConfig:
     planning_group: int | None = None
     """Ranks per planning group under global planning (consecutive ranks); ``None``: all ranks up to 64,
     else blocks of 8 (evenflow.runtime.planning.default_planning_group)."""
+    time_cost: TimeCost | None = None
+    """What global planning balances across the ranks of a step (the token budget stays a hard limit);
+    ``None``: :func:`~evenflow.planning.timecost.default_time_cost` of ``cost`` -- padded tokens, or a
+    per-sequence ``L + L^2 / 24,576`` summed over each pack (NOTE [ The default time cost ], NOTE [ Packed steps
+    balanced on time ]). Its layout must be ``cost``'s (``TimeCost()``, the planner before issue 35, is accepted
+    for either). Part of the resume fingerprint."""
 
     def __post_init__(self) -> None:
         if self.planning not in PLANNING_CHOICES:
@@ -66,6 +73,25 @@ class LoaderConfig:
             raise ValueError(f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.time_cost is not None and not isinstance(self.time_cost, TimeCost):
+            raise ValueError(f"time_cost must be an evenflow.planning.TimeCost or None, got "
+                             f"{type(self.time_cost).__name__}")
+        if self.time_cost not in (None, TimeCost()) and self.time_cost.layout != self.grouping.cost:
+            shape = "the sum of its sequences'" if self.grouping.cost == "summed" else "rows x its longest row's"
+            raise ValueError(f"time_cost has layout={self.time_cost.layout!r} but cost={self.grouping.cost!r}, and a "
+                             f"{self.grouping.cost} batch takes {shape} time; build it with layout="
+                             f"{self.grouping.cost!r} (TimeCost.from_model(config, layout={self.grouping.cost!r}) "
+                             "for a model's FLOPs), or pass time_cost=None")
+        missing = [k for k in (self.time_cost.length_keys if self.time_cost else ()) if k != "tokens"
+                   and k not in self.grouping.extra_budgets]
+        if missing:
+            raise ValueError(f"time_cost has phases on {missing}, which the loader measures only for extra_budgets; "
+                             "add them to extra_budgets= (with resources_fn=), or drop those phases")
+
+    @property
+    def planning_time_cost(self) -> TimeCost:
+        """The time cost global planning balances: ``time_cost``, or the default of ``cost``."""
+        return self.time_cost if self.time_cost is not None else default_time_cost(self.grouping.cost)
 
 
 # Arguments users bring from DataLoader / other dynamic batchers, and what evenflow calls them.
@@ -88,7 +114,7 @@ def _loader_config(*, token_budget: int, cost: CostModel, max_samples: int | Non
                    join: bool, max_steps_per_round: int, max_wait_rounds: int, buffer_size: int, seed: int,
                    shuffle: bool, depth: int, grad_accum_steps: int, loss_tokens: LossTokenRule | None,
                    timeout: timedelta, balance: bool, planning: PlanningChoice,
-                   planning_group: int | None) -> LoaderConfig:
+                   planning_group: int | None, time_cost: TimeCost | None = None) -> LoaderConfig:
     """The loader's arguments as a :class:`LoaderConfig` (each part validates itself: grouping, alignment, rest)."""
     grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
                               extra_budgets=dict(extra_budgets or {}), oversize=oversize,
@@ -97,7 +123,8 @@ def _loader_config(*, token_budget: int, cost: CostModel, max_samples: int | Non
                                 max_wait_rounds=max_wait_rounds, buffer_size=buffer_size)
     return LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
                         grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
-                        timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
+                        timeout=timeout, balance=balance, planning=planning, planning_group=planning_group,
+                        time_cost=time_cost)
 
 
 def _check_workers(num_workers: object, worker_timeout: object, timeout: object) -> None:

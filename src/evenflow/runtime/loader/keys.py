@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from ..faults import sample_of
 from ..source import Streams
+from ..stream_check import StreamWindow
 
 
 def _continued(streams: Streams, old: Iterator | None) -> Iterator:
@@ -71,19 +72,30 @@ class StreamPosition:
 
 
 class _Numbered:
-    """``(position, sample)`` over a raw stream, positions drawn from a running :class:`StreamPosition`."""
+    """``(position, sample)`` over a raw stream, positions drawn from a running :class:`StreamPosition`; every
+    sample read also goes to the epoch's :class:`~evenflow.runtime.stream_check.StreamWindow` (the unsplit-stream
+    check and the resume fingerprint: NOTE [ Sharding mistakes ]), which raises when a resumed stream is not the
+    saved one -- an error of this rank's stream, reported to every rank like a failing ``__iter__``."""
 
-    def __init__(self, position: StreamPosition, raw: Iterator) -> None:
+    def __init__(self, position: StreamPosition, raw: Iterator, window: StreamWindow | None = None) -> None:
         self.position = position
         self.raw = raw
+        self.window = window
 
     def __iter__(self) -> Iterator:
         return self
 
     def __next__(self) -> tuple:
-        sample = next(self.raw)
+        try:
+            sample = next(self.raw)
+        except StopIteration:
+            if self.window is not None:
+                self.window.end()
+            raise
         key = self.position.value
         self.position.value += 1
+        if self.window is not None:
+            self.window.add(sample)
         return key, sample
 
 

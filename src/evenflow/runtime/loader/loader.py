@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -24,20 +25,23 @@ from torch.utils.data import Dataset
 from ...planning.alignment import NO_VALUE, RankPlanner, config_fingerprint
 from ...planning.grouping import CostModel, OversizePolicy
 from ...planning.loss import LossTokenRule
+from ...planning.timecost import TimeCost
 from ..collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
 from ..comm import resolve_topology
 from ..epoch_plan import PlannedLengths
 from ..faults import sample_of
 from ..planning import PlanningChoice, setup_planning
 from ..resume import key_order
-from ..shard_check import content_print
+from ..shard_check import ContentPrint, content_print
 from ..source import StreamOptions, Streams, shard_indices
 from ..step_info import StepInfo, UsageCheck, UsageTracker
+from ..stream_check import StreamCheck, StreamWindow, window_size
+from ..teardown import close_at_exit, forget_at_exit
 from ..transfer import Moves
 from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
 from .idle import IdleTemplate
 from .keys import StreamPosition, _carried, _continued, _fetch_error, _Keyed, _Numbered
-from .state import STATE_VERSION, ResumeContext, _fingerprint, resume_state
+from .state import STATE_VERSION, ResumeContext, _fingerprint, config_values, discarded, resume_state
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "STATE_VERSION"]
 
@@ -117,6 +121,11 @@ class DynamicBatchLoader:
       values. ``len(loader)`` is then each epoch's exact step count, before and during it (NOTE [ The planned
       epoch length ] in epoch_plan.py: what it covers and costs); every batch checks the lengths it was planned
       with. Map-style datasets only.
+    - ``shard_check``: refuse, in an epoch's first rounds, a map-style dataset already split per rank (the ranks'
+      few items differ in token content, or change between reads) and IterableDataset streams that are not
+      (the ranks' first samples overlap far beyond natural repeats); ``False`` turns both checks off, for a
+      whole dataset whose token augmentation depends on the rank or changes on every read, or overlapping
+      streams by design (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check; docs/mistakes.md).
 
     *Planning across ranks* (:class:`~evenflow.planning.alignment.AlignmentConfig` and the policy):
 
@@ -138,6 +147,12 @@ class DynamicBatchLoader:
       the default policy mixes lengths within each step and emits no length curriculum at any size -- README,
       "What the default trains").
     - ``max_steps_per_round``: most batches one alignment round emits per rank.
+    - ``time_cost``: what global planning balances across a step's ranks, a
+      :class:`~evenflow.planning.timecost.TimeCost` (``None``: padded tokens under ``cost="padded"``, a
+      per-sequence ``L + L^2 / 24,576`` summed over each pack under ``cost="summed"``, NOTE [ The default time
+      cost ]); ``TimeCost.from_model(model.config)`` counts a model's FLOPs, ``evenflow profile`` prints it. With
+      ``grad_accum_steps > 1`` each micro-batch is balanced, which balances the step too (NOTE [ Packed steps
+      balanced on time ]).
     - ``max_wait_rounds``: rounds after which a buffered sample is prioritized. Not the wait's bound: that is
       ``max_wait_rounds + buffer_size - 1`` rounds under local planning and ``max_wait_rounds`` plus the
       samples buffered over all ranks under global (one old step leaves a round; NOTE [ Bounded waiting ]).
@@ -180,10 +195,11 @@ class DynamicBatchLoader:
                  collate_fn: Callable | None = None, pad_token_id: int = 0, idle_sample: Mapping | None = None,
                  # the epoch
                  join: bool = True, seed: int = 0, shuffle: bool = True,
-                 lengths: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+                 lengths: Sequence[int] | Mapping[str, Sequence[int]] | None = None, shard_check: bool = True,
                  # planning across ranks
                  planning: PlanningChoice = "auto", planning_group: int | None = None, balance: bool = False,
                  buffer_size: int = 4096, max_steps_per_round: int = 8, max_wait_rounds: int = 16, depth: int = 4,
+                 time_cost: TimeCost | None = None,
                  # the optimizer step
                  grad_accum_steps: int = 1, loss_tokens: LossTokenRule | None = None,
                  usage_check: UsageCheck = "taken",
@@ -201,7 +217,8 @@ class DynamicBatchLoader:
             oversize=oversize, pad_to_multiple_of=pad_to_multiple_of, join=join,
             max_steps_per_round=max_steps_per_round, max_wait_rounds=max_wait_rounds, buffer_size=buffer_size,
             seed=seed, shuffle=shuffle, depth=depth, grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens,
-            timeout=timeout, balance=balance, planning=planning, planning_group=planning_group)
+            timeout=timeout, balance=balance, planning=planning, planning_group=planning_group,
+            time_cost=time_cost)
         _check_workers(num_workers, worker_timeout, timeout)
         self.worker_timeout = worker_timeout
         self.num_workers = num_workers
@@ -231,7 +248,13 @@ class DynamicBatchLoader:
         self._init_state()
         self.dropped: list = []
         """Keys removed under ``oversize="drop"`` (each also warned once)."""
-        self._content: tuple | None = None  # NOTE [ Sharding mistakes ]: read once, at the first epoch
+        if not isinstance(shard_check, bool):
+            raise ValueError(f"shard_check must be True or False, got {shard_check!r}")
+        self.shard_check = shard_check
+        self._content: ContentPrint | None = None  # NOTE [ Sharding mistakes ]: read once per loader, on demand
+        # Iterable streams: the unsplit-stream check, run once per loader (NOTE [ Sharding mistakes ]).
+        self._stream_check = (StreamCheck(window_size(self.config.alignment.buffer_size), self.world_size)
+                              if self.streams.iterable and shard_check and self.world_size > 1 else None)
         # NOTE [ The planned epoch length ] in epoch_plan.py
         self._lengths = None if lengths is None else PlannedLengths(
             lengths, num_samples=None if self.streams.iterable else len(dataset), config=self.config,
@@ -253,6 +276,8 @@ class DynamicBatchLoader:
         self._committed = 0               # steps of completed accumulation windows, this epoch (state "step")
         self._resume = NO_VALUE           # 2 * step + finished of the state this epoch resumed from (RankReport)
         self._resumed_epoch: int | None = None  # the epoch last resumed mid-way (not planned ahead)
+        self._resumed_content: int | None = None  # its state's stream fingerprint (iterable: checked on re-read)
+        self._window = StreamWindow(0)    # iterable: the epoch stream's first samples (NOTE [ Sharding mistakes ])
         self._entered = False             # inside `with loader:` (NOTE [ Early stops ])
         self._keys: list = []             # this epoch's sample keys in stream order (map-style)
         self._stream: list | None = None  # a re-dealt epoch's keys, else None: the shard (NOTE [ Re-dealing ...
@@ -268,9 +293,16 @@ class DynamicBatchLoader:
         self._passes = 0                  # epochs started on this loader (the same count on every rank)
 
     # -- public API ----------------------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for ``epoch`` (map-style) and call ``dataset.set_epoch`` when the dataset has one."""
+    def set_epoch(self, epoch: int, *, discard_resumed: bool = False) -> None:
+        """Reshuffle for ``epoch`` (map-style) and call ``dataset.set_epoch`` when the dataset has one.
+
+        After ``load_state_dict``, an epoch other than the one the state resumes would discard it (the rest of
+        its epoch, or a quota-mode carry): refused, unless ``discard_resumed=True``.
+        """
         state = self._pending_state
+        lost = None if state is None else discarded(state, epoch)
+        if lost is not None and not discard_resumed:
+            raise ValueError(f"evenflow: rank {self.rank}: {lost}")
         if state is not None and epoch != state["epoch"]:
             if state["finished"] and epoch == state["epoch"] + 1:
                 self._next_carry, self._finished = list(state["next_carry"]), True
@@ -387,6 +419,8 @@ class DynamicBatchLoader:
             "next_carry": list(self._next_carry),
             "consumed": sorted(self._consumed, key=key_order),
             "stream": None if self._stream is None else list(self._stream),
+            "content": self._window.fingerprint() if self.streams.iterable else self._content_print().value,
+            "config": config_values(self.config),
         }
 
     def load_state_dict(self, state: Mapping | Sequence[Mapping]) -> None:
@@ -401,7 +435,7 @@ class DynamicBatchLoader:
         """
         state = resume_state(state, ResumeContext(
             config=self.config, world_size=self.world_size, rank=self.rank, dataset=self.dataset,
-            iterable=self.streams.iterable, num_workers=self.num_workers))
+            iterable=self.streams.iterable, num_workers=self.num_workers, content=lambda: self._content_print().value))
         self._stop_epoch()
         self._pending_state = dict(state)
         self._epoch = state["epoch"]
@@ -426,6 +460,10 @@ class DynamicBatchLoader:
         error, stream, total, skip = None, None, 0, frozenset()
         try:
             stream, total, skip = self._open_stream(carry, consumed, keep_planner)
+            if not self.streams.iterable and self.shard_check and self.world_size > 1:
+                unstable = self._content_print().error(self.rank)  # NOTE [ Sharding mistakes ]
+                if unstable is not None:
+                    raise unstable
         except Exception as exc:  # noqa: BLE001 - reported to every rank (NOTE [ Faults in the round sequence ])
             error = exc
         self._handoff = Handoff(self.rank)
@@ -438,8 +476,9 @@ class DynamicBatchLoader:
             planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
             error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout),
             call_limit=self._call_limit(), workers=self.num_workers > 0, dead_workers=self.streams.dead_workers,
-            check_batch=self._check_batch)
+            check_batch=self._check_batch, stream_check=self._stream_check)
         self._pipeline.start()
+        close_at_exit(self)  # an epoch still open at exit is closed before finalization (NOTE [ Exit-time teardown ])
 
     def _begin_state(self) -> tuple[list, set]:
         """This epoch's carried keys and already-consumed keys, from a pending resume state or the last pass."""
@@ -447,7 +486,7 @@ class DynamicBatchLoader:
         self._resume, self._stream = NO_VALUE, None
         if state is not None and not state["finished"]:
             self._resume, self._stream = 2 * state["step"], state["stream"]
-            self._resumed_epoch = state["epoch"]
+            self._resumed_epoch, self._resumed_content = state["epoch"], state["content"]
             return list(state["carry"]), set(state["consumed"])
         if state is not None:  # that epoch was complete: start the next pass with what it carried
             self._resume = 2 * state["step"] + 1
@@ -463,7 +502,13 @@ class DynamicBatchLoader:
             raw = _continued(self.streams, self._iterable_stream if keep_planner else None)
             self._iterable_stream = raw
             self._keys = []
-            return _Numbered(self._position, raw), None, frozenset(consumed)
+            expected = self._resumed_content if consumed else None  # a mid-epoch resume re-reads its stream
+            self._resumed_content = None
+            self._window = StreamWindow(0 if self._stream_check is None else self._stream_check.window,
+                                        expected_head=expected, rank=self.rank)
+            if self._stream_check is not None:
+                self._stream_check.epoch(self._window)
+            return _Numbered(self._position, raw, self._window), None, frozenset(consumed)
         shard = self._stream if self._stream is not None else shard_indices(
             len(self.dataset), rank=self.rank, world_size=self.world_size, epoch=self._epoch, seed=self.config.seed,
             shuffle=self.config.shuffle)
@@ -483,19 +528,19 @@ class DynamicBatchLoader:
     def _report_fields(self) -> dict:
         try:
             kind = "iterable" if self.streams.iterable else ("map", len(self.dataset))
-            content = () if self.streams.iterable else self._content_print()
+            checked = not self.streams.iterable and self.shard_check and self.world_size > 1
+            content = self._content_print().compared if checked else NO_VALUE
         except Exception:  # noqa: BLE001 - len() failing is reported by _open_stream in the same round
-            kind, content = "len() failed", ()
+            kind, content = "len() failed", NO_VALUE
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
-                    host=_HOST, content=config_fingerprint(content) if content else NO_VALUE)
+                    host=_HOST, content=content)
 
-    def _content_print(self) -> tuple:
-        """A few items' lengths and head tokens, equal on every rank iff the ranks hold the same dataset (NOTE
-        [ Sharding mistakes ] in shard_check.py); read once per loader, only when there are peers to compare,
-        and within ``worker_timeout`` (past it: not compared)."""
+    def _content_print(self) -> ContentPrint:
+        """A few items' token content, equal on every rank iff the ranks hold the same dataset (NOTE [ Sharding
+        mistakes ] in shard_check.py); read once per loader, when peers compare it or a state records it, within
+        ``worker_timeout`` (past it: not compared)."""
         if self._content is None:
-            self._content = (content_print(self.dataset, self._call_limit().total_seconds())
-                             if self.world_size > 1 else ())
+            self._content = content_print(self.dataset, self._call_limit().total_seconds())
         return self._content
 
     def _on_yield(self, release: Release) -> None:
@@ -521,6 +566,13 @@ class DynamicBatchLoader:
 
     def _finish_epoch(self) -> None:
         self._finished = True
+        if self._steps_done == 0 and self._resume == NO_VALUE:  # the same on every rank: steps are aligned
+            warnings.warn(f"evenflow: epoch {self._epoch} yielded no batch on any rank: the dataset is empty on every "
+                          "rank (len(dataset) == 0, or every rank's IterableDataset stream ended at once) -- a filter "
+                          "that removed every sample, an empty split or file, a stream sharded to nothing. Nothing "
+                          "trained. (Warned, not refused: an empty epoch is consistent on every rank and ends "
+                          "normally; a rank with nothing to do while its peers train is not warned.)",
+                          stacklevel=3)
         self._bound = -1  # len() before the next epoch is that epoch's bound, not this one's
         planner = self._planner
         self.dropped.extend(k for k in planner.dropped if k not in self.dropped)
@@ -560,6 +612,7 @@ class DynamicBatchLoader:
                            "rank is probably no longer iterating", self.rank)
         self._pipeline = None
         self._handoff = None
+        forget_at_exit(self)
         if not self.streams.iterable or self.config.alignment.join or pipeline.calls.abandoned:
             self._iterable_stream = None  # (abandoned: a helper thread may still be inside that stream)
 
@@ -575,7 +628,8 @@ class DynamicBatchLoader:
         from ..global_round import GlobalRound  # imports scipy only when asked for
         return GlobalRound(self.exchange, self._planning.groups, self.config.grouping, self.config.alignment,
                            self._payloads, pair_keys=self.streams.iterable, moves=self.moves,
-                           grad_accum_steps=self.config.grad_accum_steps)
+                           grad_accum_steps=self.config.grad_accum_steps,
+                           time_cost=self.config.planning_time_cost)
 
     def _rebalancer(self):
         if not self.config.balance:

@@ -8,10 +8,23 @@ each time naming the fix: something that is not a state (a path, a trainer's che
 holding the states), a state of another evenflow release (``version``), a malformed one
 (:func:`~evenflow.runtime.resume.check_schema`), a list that is not one checkpoint (a rank missing or twice,
 different steps, epochs, budgets or configurations: :func:`~evenflow.runtime.redeal.check_world`), another
-``token_budget`` or configuration (the fingerprint), another dataset (sample count), keys a saved epoch
-never held (:func:`~evenflow.runtime.resume.validate_state`), an IterableDataset in quota mode stopped
-mid-stream, and an IterableDataset stopped mid-epoch resumed on another number of ranks. The loader changes
-nothing before every check passed.
+``token_budget`` or configuration (the fingerprint; the ``config`` a state carries names the argument that
+changed and both values), another dataset (its sample count, then its token content: NOTE [ Sharding mistakes ]
+in evenflow.runtime.shard_check), keys a saved epoch never held (:func:`~evenflow.runtime.resume.validate_state`),
+an IterableDataset in quota mode stopped mid-stream, and an IterableDataset stopped mid-epoch resumed on another
+number of ranks. The loader changes nothing before every check passed.
+
+What is fingerprinted (``content``): for a map-style dataset, the token content (``input_ids`` and ``labels``,
+in full) of ``PICKS`` items spread over it, read twice (None when they change between reads: then only the
+sample count is compared); for an IterableDataset, the token content of the first ``PICKS`` samples of the
+saved epoch's stream on that rank, checked when the resumed epoch re-reads them (its first round: a different
+stream is refused on every rank; a state saved at an epoch end is not checked -- its next epoch is a new
+pass). A state saved at e25fa43 (version 3) has neither ``content`` nor ``config``: it loads, its dataset
+compared by sample count only, and a changed configuration is refused as before, without naming the argument.
+
+``set_epoch`` after loading a state: an epoch other than the saved one would discard what the state resumes
+(the rest of its epoch, or a quota-mode carry): refused (:func:`discarded`) unless
+``set_epoch(e, discard_resumed=True)``.
 
 What may change on resume is the job shape: the world size, the policy ``planning="auto"`` resolves to, and
 the default ``planning_group``. A state is compared with the fingerprint this loader's own arguments give *at
@@ -20,30 +33,66 @@ the saved world size*, so only an argument the user changed is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
 from ...planning.alignment import config_fingerprint
+from ...planning.timecost import TimeCost
 from ..planning import default_planning_group, resolve_planning
+from ..shard_check import PICKS
 from ..redeal import check_world, redeal
 from ..resume import check_schema, validate_state
 from ..source import shard_indices
 from .config import LoaderConfig
 
-__all__ = ["STATE_VERSION", "ResumeContext", "resume_state", "shape_at"]
+__all__ = ["STATE_VERSION", "ResumeContext", "resume_state", "shape_at", "config_values", "discarded"]
 
-STATE_VERSION = 3
-"""3 added ``stream`` (a re-dealt epoch's keys); version-2 states are read as ``stream=None``."""
-_READABLE = (2, 3)
+STATE_VERSION = 4
+"""4 added ``content`` and ``config`` (read as None from versions 2 and 3); 3 added ``stream`` (a re-dealt
+epoch's keys; version-2 states are read as ``stream=None``)."""
+_READABLE = (2, 3, 4)
 
 
 def _fingerprint(config: LoaderConfig, world_size: int, planning: str, planning_group: int) -> int:
-    """What a state must have been saved under to resume: everything that decides the batches, and the job shape."""
-    return config_fingerprint(config.grouping, config.alignment, config.seed, config.shuffle, config.grad_accum_steps,
-                              config.loss_tokens, config.balance, world_size, planning, planning_group)
+    """What a state must have been saved under to resume: everything that decides the batches, and the job shape.
+
+    The time cost counts where it plans (``planning="global"``) and differs from ``TimeCost()``, the cost every
+    loader planned with before ``time_cost=`` existed: a state saved then has the same fingerprint as one
+    saved with ``time_cost=TimeCost()`` now (:func:`_check_config` names that argument when it is needed)."""
+    parts = (config.grouping, config.alignment, config.seed, config.shuffle, config.grad_accum_steps,
+             config.loss_tokens, config.balance, world_size, planning, planning_group)
+    time_cost = config.planning_time_cost
+    if planning == "global" and time_cost != TimeCost():
+        parts += (time_cost.key(),)
+    return config_fingerprint(*parts)
+
+
+def config_values(config: LoaderConfig) -> dict:
+    """The arguments that decide the batches, by the loader's argument names (a state's ``config``: plain data)."""
+    g, a = config.grouping, config.alignment
+    return {"token_budget": g.token_budget, "cost": g.cost, "max_samples": g.max_samples,
+            "extra_budgets": dict(sorted(g.extra_budgets.items())), "oversize": g.oversize,
+            "pad_to_multiple_of": g.pad_to_multiple_of, "join": a.join, "max_steps_per_round": a.max_steps_per_round,
+            "max_wait_rounds": a.max_wait_rounds, "buffer_size": a.buffer_size, "warmup_budgets": a.warmup_budgets,
+            "seed": config.seed, "shuffle": config.shuffle, "grad_accum_steps": config.grad_accum_steps,
+            "loss_tokens": dataclasses.asdict(config.loss_tokens), "balance": config.balance,
+            "planning": config.planning, "planning_group": config.planning_group,
+            "time_cost": None if config.time_cost is None else config.time_cost.describe()}
+
+
+def _changes(saved: Mapping, now: Mapping) -> list[str]:
+    """``"seed=0 -> seed=1"`` for every argument that differs (a state that went through JSON compares alike)."""
+    return [f"{k}={saved.get(k)!r} -> {k}={now.get(k)!r}" for k in now if _plain(saved.get(k)) != _plain(now.get(k))]
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
 
 
 def shape_at(config: LoaderConfig, world_size: int) -> tuple[str, int]:
@@ -65,6 +114,8 @@ class ResumeContext:
     dataset: Dataset
     iterable: bool
     num_workers: int
+    content: Callable[[], int | None] = lambda: None
+    """This loader's data fingerprint (map-style: read on demand, once per loader; NOTE [ Sharding mistakes ])."""
 
     def fingerprint_at(self, world_size: int) -> int:
         return _fingerprint(self.config, world_size, *shape_at(self.config, world_size))
@@ -96,6 +147,7 @@ def resume_state(saved: object, ctx: ResumeContext) -> dict:
     states = [_as_state(s, f" (entry {i} of the list)") for i, s in enumerate(saved)]
     if not states:
         raise ValueError("cannot resume: load_state_dict got an empty list; pass every saved rank's state")
+    _check_one_configuration(states)
     states = check_world(states)
     _check_config(states[0], ctx)
     states = [_validated(s, ctx) for s in states]
@@ -141,9 +193,25 @@ def _as_state(obj: object, where: str = "") -> dict:
                          "that saved it, or start the epoch afresh")
     state = dict(obj)
     if version == 2 and "stream" not in state:
-        state.update(version=STATE_VERSION, stream=None)
+        state.update(stream=None)
+    if version in (2, 3):  # e25fa43 and earlier: no content fingerprint, no named configuration
+        state.update(version=STATE_VERSION, content=state.get("content"), config=state.get("config"))
     check_schema(state)  # fields and types first: the checks below read them
     return state
+
+
+def _check_one_configuration(states: Sequence[Mapping]) -> None:
+    """A list of states saved under different arguments is not one checkpoint: name the arguments and ranks."""
+    configs = [s["config"] if s["config"] is not None else {"token_budget": s["token_budget"]} for s in states]
+    for name in (k for k in configs[0] if all(k in c for c in configs)):
+        by_value: dict = {}
+        for s, c in zip(states, configs):
+            by_value.setdefault(repr(_plain(c.get(name))), []).append(int(s["rank"]))
+        if len(by_value) > 1:
+            shown = "; ".join(f"{name}={v} on rank(s) {r}" for v, r in by_value.items())
+            raise ValueError(f"cannot resume: the loader states do not come from one checkpoint: states saved under "
+                             f"different loader configurations: different {name} ({shown}); pass every rank's "
+                             "state from the same checkpoint")
 
 
 def _check_config(state: Mapping, ctx: ResumeContext) -> None:
@@ -151,14 +219,27 @@ def _check_config(state: Mapping, ctx: ResumeContext) -> None:
     token_budget = ctx.config.grouping.token_budget
     if state["token_budget"] != token_budget:
         raise ValueError(f"cannot resume: token_budget changed from {state['token_budget']} to "
-                         f"{token_budget}; resume with the saved budget")
+                         f"{token_budget}; resume with the saved budget (token_budget={state['token_budget']})")
     world = state["world_size"]
     if state["fingerprint"] != ctx.fingerprint_at(world):
         policy, group = shape_at(ctx.config, world)
+        legacy = dataclasses.replace(ctx.config, time_cost=TimeCost())
+        if state["fingerprint"] == _fingerprint(legacy, world, policy, group):
+            raise ValueError(f"cannot resume: this state was planned with time_cost=TimeCost() (token counts: every "
+                             "loader before time_cost= existed), and this loader balances "
+                             f"{ctx.config.planning_time_cost.describe()}; pass time_cost=evenflow.planning."
+                             "TimeCost() to resume it with the cost it was planned with, or start the epoch afresh")
         at = "" if world == ctx.world_size else f" at the saved world size {world}"
+        changes = _changes(state["config"], config_values(ctx.config)) if state["config"] is not None else []
+        if changes:  # name them (a state of e25fa43 or earlier has no config: the message below lists candidates)
+            raise ValueError(f"cannot resume: the loader configuration (what decides the batches) differs from the "
+                             f"saved one: {'; '.join(changes)} "
+                             f"(saved -> this loader); this loader runs planning={policy!r} (planning_group={group})"
+                             f"{at}. Pass the saved value(s) to resume it (the world size, what planning='auto' "
+                             "resolves to and the default planning_group may change)")
         raise ValueError("cannot resume: the loader configuration (seed, shuffle, budgets, buffer_size, join, "
-                         "grad_accum_steps, balance, planning policy and planning_group) differs from the saved "
-                         f"one; this loader runs planning={policy!r} (planning_group={group}){at}. Use the saved "
+                         "grad_accum_steps, balance, planning policy, planning_group, time_cost) differs from the "
+                         f"saved one; this loader runs planning={policy!r} (planning_group={group}){at}. Use the saved "
                          "configuration (a state saved while planning='local' was the default needs "
                          "planning='local'; the world size, what planning='auto' resolves to and the default "
                          "planning_group may change)")
@@ -170,6 +251,15 @@ def _validated(state: Mapping, ctx: ResumeContext) -> dict:
     if not iterable and state["num_samples"] != len(dataset):
         raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(dataset)}; "
                          "resume with the dataset the state was saved with")
+    if not iterable and state["content"] is not None:
+        now = ctx.content()
+        if now is not None and now != state["content"]:
+            raise ValueError(
+                f"cannot resume on rank {ctx.rank}: the dataset is not the one the state was saved with: both have "
+                f"{len(dataset)} samples, but the token content (input_ids and labels) of {PICKS} items spread over it "
+                f"differs (saved fingerprint {state['content']}, this dataset's {now}). Its indices would name other "
+                "samples: some would train twice, others never. Resume with the saved dataset (same samples, order and "
+                "tokenization), or start the epoch afresh without the state")
     shard = None
     if not iterable:  # what the saved epoch held: its re-dealt stream, else its shard (consumed keys come from it)
         shard = state["stream"] if state["stream"] is not None else shard_indices(
@@ -182,3 +272,19 @@ def _validated(state: Mapping, ctx: ResumeContext) -> dict:
                          "samples live in memory only; resume at an epoch boundary or use join=True")
     return state
 
+
+
+def discarded(state: Mapping, epoch: int) -> str | None:
+    """What ``set_epoch(epoch)`` would discard of a loaded, not yet started ``state`` (None: nothing): the rest of
+    its epoch, or the samples a finished quota-mode epoch carries into the next one."""
+    saved = state["epoch"]
+    if epoch == saved or (state["finished"] and (epoch == saved + 1 or not state["next_carry"])):
+        return None
+    what = (f"{len(state['next_carry'])} samples that epoch {saved} carries into epoch {saved + 1} (quota mode)"
+            if state["finished"] else
+            f"rest of epoch {saved}, which it resumes (saved at step {state['step']}; this rank had trained "
+            f"{len(state['consumed'])} of its samples): the others would never train")
+    then = "" if state["finished"] else f", and set_epoch({saved + 1}) once it ends"
+    return (f"set_epoch({epoch}) after load_state_dict would discard the loaded state's {what}. To resume, call "
+            f"set_epoch({saved + 1 if state['finished'] else saved}){then} (LoaderCheckpoint.start_epoch gives it); "
+            f"to drop the state on purpose, call loader.set_epoch({epoch}, discard_resumed=True)")
