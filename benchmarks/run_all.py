@@ -286,101 +286,47 @@ def main(argv: list[str] | None = None) -> None:
     sim = bench_sim.run(quick=args.quick, out_dir=RESULTS, stem=stem)
     timings["simulation"] = time.perf_counter() - ts
 
-    gloo = None
-    if not args.skip_gloo:
-        _log("gloo latency ...")
+    def section(key: str, what: str, run, enabled: bool = True):
+        """One benchmark: logged, timed into ``timings``; a failure is reported and the rest of the suite runs."""
+        if not enabled:
+            return None
+        _log(what + " ...")
         ts = time.perf_counter()
         try:
-            gloo = bench_gloo.run(quick=True)
+            return run()
         except Exception:  # noqa: BLE001 - report, keep the rest of the suite
-            _log("gloo benchmark failed:\n" + traceback.format_exc())
-        timings["gloo"] = time.perf_counter() - ts
+            _log(f"{key} benchmark failed:\n" + traceback.format_exc())
+            return None
+        finally:
+            timings[key] = time.perf_counter() - ts
 
-    train = None
-    if not args.skip_train:
-        _log("real CPU training runs ...")
-        ts = time.perf_counter()
-        try:
-            from evenflow.sim.calibrate import cpu_cost_model
+    def train_run():
+        from evenflow.sim.calibrate import cpu_cost_model
 
-            cm = sim.get("_cpu_model") or cpu_cost_model(repeats=2)
-            train = bench_train.run(quick=args.quick, cpu_model=cm)
-        except Exception:  # noqa: BLE001
-            _log("training benchmark failed:\n" + traceback.format_exc())
-        timings["train"] = time.perf_counter() - ts
+        return bench_train.run(quick=args.quick, cpu_model=sim.get("_cpu_model") or cpu_cost_model(repeats=2))
 
-    mllm = None
-    if not args.skip_mllm:
-        _log("multimodal orchestration on real media (4 gloo ranks + simulated 64 / 2,560) ...")
-        ts = time.perf_counter()
-        try:
-            mllm = bench_mllm.run(quick=args.quick)
-        except Exception:  # noqa: BLE001
-            _log("multimodal benchmark failed:\n" + traceback.format_exc())
-        timings["mllm"] = time.perf_counter() - ts
-
-    planning = None
-    if not args.skip_global:
-        _log("real 4-rank loader rows: local, balance=True, planning='global' ...")
-        ts = time.perf_counter()
-        try:
-            planning = bench_loader.real_quality_section(args.quick)
-        except Exception:  # noqa: BLE001
-            _log("global planning benchmark failed:\n" + traceback.format_exc())
-        timings["global_planning"] = time.perf_counter() - ts
-
-    composition = None
-    _log("step composition (issue 18): every policy, simulated, and the real loader on 4 gloo ranks ...")
-    ts = time.perf_counter()
-    try:
-        composition = bench_composition.run(quick=args.quick, real=not args.skip_global)
-    except Exception:  # noqa: BLE001
-        _log("composition benchmark failed:\n" + traceback.format_exc())
-    timings["composition"] = time.perf_counter() - ts
-
-    moves = None
-    if not args.skip_moves:
-        _log("sample movement: one epoch per sample kind, local against global planning, 2 gloo ranks ...")
-        ts = time.perf_counter()
-        try:
-            moves = bench_moves.run(args.quick, 2, 1 if args.quick else 2, None)
-        except Exception:  # noqa: BLE001
-            _log("sample-movement benchmark failed:\n" + traceback.format_exc())
-        timings["moves"] = time.perf_counter() - ts
-
-    packing = None
-    if not args.skip_packing:
-        _log("packed steps balanced on time (issue 35): evenflow against TRL's pack_dataset and multipack ...")
-        ts = time.perf_counter()
-        try:
-            packing = bench_packing.run(quick=args.quick)
-        except Exception:  # noqa: BLE001
-            _log("packing benchmark failed:\n" + traceback.format_exc())
-        timings["packing"] = time.perf_counter() - ts
-
+    gloo = section("gloo", "gloo latency", lambda: bench_gloo.run(quick=True), not args.skip_gloo)
+    train = section("train", "real CPU training runs", train_run, not args.skip_train)
+    mllm = section("mllm", "multimodal orchestration on real media (4 gloo ranks + simulated 64 / 2,560)",
+                   lambda: bench_mllm.run(quick=args.quick), not args.skip_mllm)
+    planning = section("global_planning", "real 4-rank loader rows: local, balance=True, planning='global'",
+                       lambda: bench_loader.real_quality_section(args.quick), not args.skip_global)
+    composition = section("composition", "step composition (issue 18): every policy, simulated, and the real "
+                          "loader on 4 gloo ranks", lambda: bench_composition.run(quick=args.quick,
+                                                                                   real=not args.skip_global))
+    moves = section("moves", "sample movement: one epoch per sample kind, local against global planning, 2 gloo "
+                    "ranks", lambda: bench_moves.run(args.quick, 2, 1 if args.quick else 2, None), not args.skip_moves)
+    packing = section("packing", "packed steps balanced on time (issue 35): evenflow against TRL's pack_dataset "
+                      "and multipack", lambda: bench_packing.run(quick=args.quick), not args.skip_packing)
     vlm = None
     if not args.skip_vlm:
-        _log("stock VLMs (issue 37): the Omni thinker on real media, 4 gloo ranks; simulated at 8 / 64 / 2,560 ...")
-        ts = time.perf_counter()
-        vlm = {}
-        try:
-            vlm["real"] = bench_vlm.run(quick=args.quick, steps=VLM_STEPS)
-        except Exception:  # noqa: BLE001
-            _log("stock-VLM benchmark failed:\n" + traceback.format_exc())
-        try:
-            vlm["sim"] = bench_vlm_sim.run(quick=args.quick)
-        except Exception:  # noqa: BLE001
-            _log("stock-VLM simulation failed:\n" + traceback.format_exc())
-        timings["vlm"] = time.perf_counter() - ts
-
-    latency = None
-    _log("planner latency: plan_balance (64 / 2,560 ranks x 32) and the global round plan (64 x 4,096) ...")
-    ts = time.perf_counter()
-    try:
-        latency = planner_latency(args.quick)
-    except Exception:  # noqa: BLE001
-        _log("planner latency failed:\n" + traceback.format_exc())
-    timings["planner_latency"] = time.perf_counter() - ts
+        parts = {"real": section("vlm_real", "stock VLMs (issue 37): the Omni thinker on real media, 4 gloo ranks",
+                                 lambda: bench_vlm.run(quick=args.quick, steps=VLM_STEPS)),
+                 "sim": section("vlm_sim", "stock VLMs simulated at 8 / 64 / 2,560 ranks",
+                                lambda: bench_vlm_sim.run(quick=args.quick))}
+        vlm = {k: v for k, v in parts.items() if v is not None}
+    latency = section("planner_latency", "planner latency: plan_balance (64 / 2,560 ranks x 32) and the global round "
+                      "plan (64 x 4,096)", lambda: planner_latency(args.quick))
     timings["total"] = time.perf_counter() - t0
 
     h100 = bench_sim.gpu_cost_model("H100")
