@@ -142,11 +142,13 @@ CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("defaul
             ("default_permuted", "default_nolr"), ("default_permuted", "shuffled"), ("default_permuted", "fixed_matched"),
             ("default_nosteer", "default_nolr"), ("default_nosteer", "fixed_matched"),
             ("default_smooth_lr", "default_smooth"), ("default_smooth_lr", "today"), ("default_smooth_lr", "default"),
-            ("group_by_length", "fixed_matched"), ("trl_packed", "fixed_matched"), ("default_summed", "fixed_matched"))
+            ("group_by_length", "fixed_matched"), ("trl_packed", "fixed_matched"), ("default_summed", "fixed_matched"),
+            ("default_summed", "packed_sorted"), ("default_summed", "trl_packed"))
 """Composition alone: an arm against its own steps refilled at random to the same tokens (X - X_shuffled), and
 the default's mix against the old planner's steps in random order (default_nolr - today_random); order alone:
 the default's own steps in another order (default_smooth - default_nolr); the demo's arms against its reference
-(X - fixed_matched: ``evenflow demo`` quotes these intervals)."""
+(X - fixed_matched: ``evenflow demo`` quotes these intervals); the summed default against the packs before issue
+35 and against TRL's packing."""
 OPTIMIZERS = {
     "adamw": {"name": "adamw", "lr": None, "beta2": 0.95, "clip": 1.0},  # the demo's (lr: DemoConfig.base_lr)
     "adamw_b2_999": {"name": "adamw", "lr": None, "beta2": 0.999, "clip": 1.0},

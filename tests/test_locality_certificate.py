@@ -62,3 +62,29 @@ def test_plans_are_the_same_with_and_without_it(monkeypatch):
     monkeypatch.setattr(locality, "_cannot_fit", lambda *a: False)
     assert plans() == with_it
     assert sum(calls) > 10  # it did refuse tries on these cases
+
+
+def _tries(monkeypatch, fits: set[float], limit: float = 100.0) -> tuple[list[float], np.ndarray | None]:
+    """The keep thresholds ``_first_fit`` tries (as fractions of the limit) when exactly ``fits`` succeed."""
+    tried = []
+
+    def fake(costs, weights, sources, prefix, num_ranks, keep_limit, limit_, room, topology):
+        tried.append(round(keep_limit / limit_, 6))
+        return np.full(1, tried[-1]) if tried[-1] in fits else None
+
+    monkeypatch.setattr(locality, "_home_plan", fake)
+    plan = locality._first_fit(None, None, None, None, 1, limit, np.inf, None)
+    return tried, plan
+
+
+def test_thresholds_tried_full_limit_first_then_lowest_then_between(monkeypatch):
+    full, *between, lowest = locality.LOCALITY_KEEP_FRACTIONS
+    assert _tries(monkeypatch, {full}) == ([full], np.full(1, full))                      # one try when it fits
+    tried, plan = _tries(monkeypatch, set())                                             # nothing fits: two tries
+    assert tried == [full, lowest] and plan is None
+    tried, plan = _tries(monkeypatch, {between[1], lowest})                               # the highest that fits
+    assert tried == [full, lowest, between[0], between[1]] and plan[0] == between[1]
+    tried, plan = _tries(monkeypatch, {lowest})
+    assert tried == [full, lowest, *between] and plan[0] == lowest
+    # Given up although a middle threshold would fit (greedy placement is not monotone): the documented cost.
+    assert _tries(monkeypatch, {between[0]}) == ([full, lowest], None)

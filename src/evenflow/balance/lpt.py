@@ -41,28 +41,37 @@ def lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, *, cap: float | Non
     arr = as_costs(costs)
     num_ranks = _check_ranks(num_ranks)
     weights = _cap_weights(arr, cap, cap_weights)
-    order = _order_desc(arr).tolist()
+    order = _order_desc(arr)
     if weights is None or cap_weights is None:
         out = _lpt_heap(arr, order, num_ranks, cap if weights is not None else None, equal_counts)
     else:
-        out = _lpt_weighted(arr, weights, order, num_ranks, cap, equal_counts)
+        out = _lpt_weighted(arr, weights, order.tolist(), num_ranks, cap, equal_counts)
     if refine and arr.size:
         out = refine_swaps(arr, out, num_ranks, cap=cap, cap_weights=weights if cap is not None else None,
                            allow_moves=not equal_counts)
     return out
 
 
-def _lpt_heap(arr: np.ndarray, order: list[int], num_ranks: int, cap: float | None,
+def _lpt_heap(arr: np.ndarray, order: np.ndarray, num_ranks: int, cap: float | None,
               equal_counts: bool) -> np.ndarray:
     """Heap of (load, rank): the least loaded rank, lowest index on ties. With a cap on the costs themselves,
     the least loaded rank is the only one that can fit an item if any can."""
     out = np.empty(arr.size, dtype=np.int64)
     values = arr.tolist()
+    heap = [(0.0, r) for r in range(num_ranks)]
+    if cap is None and not equal_counts:
+        # The common case, with nothing to check per item.
+        dest, replace = [], heapq.heapreplace
+        for v in arr[order].tolist():
+            load, r = heap[0]
+            dest.append(r)
+            replace(heap, (load + v, r))
+        out[order] = dest
+        return out
     q, extra = _equal_quota(arr.size, num_ranks)
     counts = [0] * num_ranks
-    heap = [(0.0, r) for r in range(num_ranks)]
     at_extra = 0
-    for i in order:
+    for i in order.tolist():
         load, r = heap[0]
         while equal_counts and (counts[r] > q or (counts[r] == q and at_extra >= extra)):
             heapq.heappop(heap)  # a full rank never takes another item (the quotas sum to n: never empty)

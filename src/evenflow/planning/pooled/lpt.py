@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["deal_by_time", "refine", "balance_steps", "drain_packs", "IMPROVEMENT"]
+__all__ = ["deal_by_time", "pack_sums", "refine", "balance_steps", "drain_packs", "IMPROVEMENT"]
 
 IMPROVEMENT = 1e-9
 """Relative margin a step's new slowest pack must beat the old one by (float sums in another order differ by
@@ -83,6 +83,18 @@ def _packs(items: np.ndarray, lengths: np.ndarray, item_time: np.ndarray, count:
     return [np.sort(order[by_pack[cuts[p]:cuts[p + 1]]]) for p in range(count)]
 
 
+def pack_sums(packs: Sequence[np.ndarray], values: np.ndarray) -> np.ndarray:
+    """``values`` summed over each pack, in one pass (a per-pack ``.sum()`` costs microseconds each, and a round
+    at 2,560 ranks has tens of thousands of packs); an empty pack sums to 0."""
+    sizes = np.fromiter((len(g) for g in packs), dtype=np.int64, count=len(packs))
+    out = np.zeros(len(packs), dtype=values.dtype)
+    if sizes.sum():
+        held = sizes > 0
+        flat = values[np.concatenate([g for g in packs if len(g)]).astype(np.int64, copy=False)]
+        out[held] = np.add.reduceat(flat, np.concatenate(([0], np.cumsum(sizes[held])[:-1])))
+    return out
+
+
 def refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, cap: int,
            most: int | None = None) -> list[np.ndarray]:
     """Lower the slowest pack by the best single move or swap of one item with one of the ``REFINE_PARTNERS``
@@ -90,11 +102,16 @@ def refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, 
     4/3 bound is loose for a handful of sequences per rank (a drain step of 9 chats on 4 ranks: 1.154 of the mean,
     the best deal 1.083); a swap fixes most of that. Skipped when the step is within ``REFINE_SLACK`` of its
     mean."""
-    packs = [np.asarray(g, dtype=np.int64) for g in packs]
-    times = np.array([float(item_time[g].sum()) for g in packs])
-    tokens = np.array([int(lengths[g].sum()) for g in packs])
+    return _refine([np.asarray(g, dtype=np.int64) for g in packs], lengths, item_time, cap, most)[0]
+
+
+def _refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, cap: int,
+            most: int | None, times: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """:func:`refine`, given (or computing) each pack's time; returns the packs and their times."""
+    times = pack_sums(packs, item_time) if times is None else times.copy()
     if not len(packs) or times.max() <= times.mean() * (1 + REFINE_SLACK):
-        return packs
+        return packs, times
+    tokens = pack_sums(packs, lengths)
     for _ in range(REFINE_ROUNDS * min(len(packs), REFINE_PARTNERS)):
         a = int(np.argmax(times))
         ga = packs[a]
@@ -125,7 +142,7 @@ def refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, 
         packs[b] = np.sort(np.concatenate((np.delete(gb, j) if j < len(gb) else gb, ga[i:i + 1])))
         for k in (a, b):
             times[k], tokens[k] = float(item_time[packs[k]].sum()), int(lengths[packs[k]].sum())
-    return packs
+    return packs, times
 
 
 def balance_steps(groups: list[np.ndarray], slot_of_group: np.ndarray, lengths: np.ndarray, item_time: np.ndarray,
@@ -142,12 +159,16 @@ def balance_steps(groups: list[np.ndarray], slot_of_group: np.ndarray, lengths: 
         packs = by_slot[t * world:(t + 1) * world]
         held = [g for g in packs if g is not None and len(g)]
         if len(held) > 1 or (held and sum(len(g) for g in held) > 1 and len(held) < world):
-            before = max(float(item_time[g].sum()) for g in held)
+            as_dealt = [g if g is not None else np.zeros(0, np.int64) for g in packs]
+            times = pack_sums(as_dealt, item_time)
+            before = float(times.max())
             dealt = _packs(np.concatenate(held), lengths, item_time, world, cap, most) if redeal else None
-            if dealt is None or max(float(item_time[g].sum()) for g in dealt) >= before:
-                dealt = [g if g is not None else np.zeros(0, np.int64) for g in packs]
-            dealt = refine(dealt, lengths, item_time, cap, most)
-            if max(float(item_time[g].sum()) for g in dealt) < before * (1 - IMPROVEMENT):
+            if dealt is not None:
+                redealt = pack_sums(dealt, item_time)
+                if redealt.max() < before:
+                    as_dealt, times = dealt, redealt
+            dealt, times = _refine(as_dealt, lengths, item_time, cap, most, times)
+            if times.max() < before * (1 - IMPROVEMENT):
                 packs = dealt
         for r, g in enumerate(packs):
             if g is not None and len(g):

@@ -82,7 +82,7 @@ import numpy as np
 # Step 1 and the drain live in groups.py, steps 3 and 4 in place.py, step 2 in mix.py; the entry point here.
 from .groups import _drain_groups, _group_table, _split_to, _Table, global_groups
 from .mix import EpochProgress, band_steps, length_keys, round_order, select_steps, systematic
-from .lpt import balance_steps, drain_packs
+from .lpt import balance_steps, drain_packs, pack_sums
 from .packs import deal_round
 from .place import _deal, _place
 from ..grouping import GroupingConfig, padded_length
@@ -391,7 +391,7 @@ def _deal_packed(groups: list[np.ndarray], lengths: np.ndarray, ages: np.ndarray
     packs, unplaced = deal_round(items, lengths, item_time, first, steps, world, cap, most, spare, drain)
     if unplaced.size and drain:
         return None  # the drain trains everything: best fit's packs, dealt on time
-    if sum(int(lengths[g].sum()) for g in packs) < (1 - SHORTFALL) * int(lengths[items].sum()):
+    if int(pack_sums(packs, lengths).sum()) < (1 - SHORTFALL) * int(lengths[items].sum()):
         return None
     held = [k for k, g in enumerate(packs) if len(g)]
     if not held:
