@@ -224,3 +224,32 @@ def test_a_warm_up_that_cannot_resolve_a_phase_refuses_to_fit():
     assert coef[0, 0] == 0 and coef[0, 1] > 0 and coef[1, 0] > 0  # an encoder's per-call time is no item's cost
     with pytest.raises(ValueError, match="could not tell the audio phase's sizes apart"):
         _fit({"vision": grows, "audio": [(4, 2e-3), (8, 2e-3), (16, 1.9e-3)], "llm": grows})
+
+
+def test_a_warm_up_times_several_items_a_call_and_charges_each_its_share(models):
+    """``items_per_call=k``: an encoder runs on k copies of each item in one call (its per-call overhead shared, as
+    in a step), the time divided by k and the size still one item's; the LLM phase stays one example a call."""
+    from evenflow.models.hf_vlm import WarmupConfig, time_phases
+
+    model = models["qwen2_5_omni"]
+    adapter = adapter_for(model, VLMConfig())
+    calls = []
+
+    class Counting:  # the model's own adapter, counting the items each encoder call gets
+        def __getattr__(self, name):
+            return getattr(adapter, name)
+
+        def encode(self, phase, rows, item_rows, meta):
+            calls.append((phase, len(item_rows), int(sum(item_rows)), int(rows.shape[0])))
+            return adapter.encode(phase, rows, item_rows, meta)
+
+    sizes = dict(vision_rows=(16, 64, 144), llm_tokens=(8, 16, 32), audio_fractions=(0.25, 0.5, 1.0), repeats=1)
+    one = time_phases(model, Counting(), config=WarmupConfig(**sizes))
+    assert {(p, n) for p, n, _, _ in calls} == {("vision", 1), ("audio", 1)}
+    calls.clear()
+    three = time_phases(model, Counting(), config=WarmupConfig(**sizes, items_per_call=3))
+    assert {(p, n) for p, n, _, _ in calls} == {("vision", 3), ("audio", 3)}
+    assert all(rows == total for _, _, total, rows in calls)  # the rows of all three items went in
+    assert {p: [s for s, _ in v] for p, v in three.items()} == {p: [s for s, _ in v] for p, v in one.items()}
+    with pytest.raises(ValueError, match="items_per_call must be a positive integer"):
+        WarmupConfig(items_per_call=0)

@@ -16,8 +16,9 @@ NOTE [ Fitted once, the same everywhere ]
     with other costs anyway (it fitted on its own, or loaded another checkpoint) is refused in the first step's
     metadata exchange with :class:`~evenflow.PeerError` on every rank.
 
-Each phase is timed forward + backward on single items of a few sizes (a vision frame of ``L`` patch rows, one
-audio window of ``L`` mel frames, one text-only example of ``L`` tokens), the fastest of ``repeats``, and fitted
+Each phase is timed forward + backward on items of a few sizes (a vision frame of ``L`` patch rows, one audio
+window of ``L`` mel frames -- ``items_per_call`` copies of it in one call, the time divided among them -- one
+text-only example of ``L`` tokens), the fastest of ``repeats``, and fitted
 by least squares (NOTE [ Fitting a phase's cost ] in ``evenflow.balance.costs``). An encoder's per-call time is
 paid by every rank every step (a dummy item included), so it is no item's cost: its gamma is set to 0.
 """
@@ -60,6 +61,12 @@ class WarmupConfig:
     clock: Literal["wall", "thread"] = "wall"
     """``"wall"`` (``perf_counter``; CUDA synchronized) or ``"thread"`` (this thread's CPU time: with
     ``torch.set_num_threads(1)`` on a CPU shared by several ranks, what the rank itself spent)."""
+    items_per_call: int = 1
+    """An encoder is timed on this many copies of the item in one call, and the time divided among them: a step
+    encodes many items per call, and a call's own overhead is no item's cost. Where one item is a few
+    milliseconds (a tiny tower on a CPU), the overhead swamps how an item's time grows with its size: on the
+    tiny Omni audio tower, three fits of single items put a 100-frame piece at 0.31-0.50 of a 200-frame one,
+    three of 8 per call at 0.47-0.50. The LLM phase is always one example."""
 
     def __post_init__(self) -> None:
         for name in ("vision_rows", "audio_fractions", "llm_tokens"):
@@ -67,8 +74,10 @@ class WarmupConfig:
             if len(set(values)) < 3 or min(values) <= 0:
                 raise ValueError(f"WarmupConfig.{name} needs at least 3 distinct positive sizes (a quadratic has "
                                  f"three coefficients), got {values!r}")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"WarmupConfig.repeats must be a positive integer, got {self.repeats!r}")
+        for name in ("repeats", "items_per_call"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WarmupConfig.{name} must be a positive integer, got {value!r}")
         if self.clock not in ("wall", "thread"):
             raise ValueError(f"WarmupConfig.clock must be 'wall' or 'thread', got {self.clock!r}")
 
@@ -117,12 +126,16 @@ def time_phases(model: torch.nn.Module, adapter: VLMAdapter | None = None, *, co
                 actual = size
             else:
                 rows, item_rows, meta = adapter.warmup_item(phase, size)
-                rows = rows.to(device=device, dtype=dtype)
+                actual = int(sum(item_rows))
+                k = config.items_per_call
+                rows, item_rows, meta = torch.cat([rows] * k).to(device=device, dtype=dtype), list(item_rows) * k, \
+                    torch.cat([meta] * k)
 
                 def run(phase=phase, rows=rows, item_rows=item_rows, meta=meta):
                     return adapter.encode(phase, rows, item_rows, meta)
-                actual = int(sum(item_rows))
-            out[phase].append((actual, _seconds(run, repeats=config.repeats, clock=config.clock, device=device)))
+            calls = config.items_per_call if phase != "llm" else 1
+            seconds = _seconds(run, repeats=config.repeats, clock=config.clock, device=device) / calls
+            out[phase].append((actual, seconds))
     base.zero_grad(set_to_none=True)
     return out
 
@@ -163,10 +176,11 @@ def fit_phase_costs(model: torch.nn.Module, *, group: dist.ProcessGroup | None =
         raise failure
     kind = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
     sizes_text = "; ".join(f"{p} {[s for s, _ in timings[p]]}" for p in phases)  # the same sizes on every rank
+    per_call = f"; encoders {config.items_per_call} items a call" if config.items_per_call > 1 else ""
     return TimeCost(phases=tuple(PhaseTime(length_key=PHASE_LENGTH_KEYS[p], gamma=float(c[0]), alpha=float(c[1]),
                                            beta=float(c[2])) for p, c in zip(phases, coef.tolist())),
                     layout="summed", source=f"warm-up fit of {kind} on rank {src} ({config.clock} seconds, forward + "
-                                            f"backward; {sizes_text})")
+                                            f"backward; {sizes_text}{per_call})")
 
 
 def _fit(timings: Mapping[str, list[tuple[int, float]]]) -> torch.Tensor:
