@@ -8,11 +8,11 @@ step is the same math on one rank as on two) for several batching policies, pair
               batch 1 x 2 ranks x accumulation; 8 on chitchat, ~44 on hh-rlhf's short dialogues), no LR rule
     default   evenflow's default until 2026-12-05 (planning="auto" = global at 2 ranks, default buffer, each
               round's steps shortest, longest, second shortest, ...), sqrt token LR rule (as the demo's
-              evenflow_sqrt_lr arm: evenflow.TokenLRScaler)
+              evenflow_sqrt_lr arm had it until issue 38: evenflow.TokenLRScaler)
     default_nolr  the same without the LR rule (the rule is opt-in): the library's default until 2026-12-05
     default_smooth  the same steps in the library's round order since 2026-12-05, a zigzag (NOTE [ Round order ]):
               today's default, and the demo's evenflow arm
-    default_smooth_lr  the same with the sqrt token LR rule (the demo's sqrt LR arm since 2026-12-05)
+    default_smooth_lr  the same with the sqrt token LR rule (the demo's sqrt LR arm from 2026-12-05 to issue 38)
 
 Every arm of the global planner but those two keeps the alternating round order its rows were trained with
 (``LIBRARY_ORDER``), so the file's rows stay reproducible.
@@ -131,7 +131,8 @@ CONTROL_ARMS = ("shuffled", "today_random", "accum2", "accum2_shuffled", "w4", "
 """Run on request (``--arms``); accum2 and w4 need every sample within 2,048 tokens (both hh-rlhf sets, not chitchat)."""
 DATA = ("chitchat", "chitchat_full", "hh_rlhf", "hh_rlhf_full")
 LR_RULE = ("default", "today", "local", "default_smooth_lr")
-"""Arms trained with the sqrt token LR rule (``evenflow.TokenLRScaler``'s, as the demo's sqrt LR arm)."""
+"""Arms trained with the sqrt token LR rule (``evenflow.TokenLRScaler``'s, as the demo's sqrt LR arm had it until
+issue 38)."""
 CONTROLS = (("default_nolr", "shuffled"), ("today_random", "shuffled"), ("default_nolr", "today_random"),
             ("accum2", "accum2_shuffled"), ("local", "local_shuffled"), ("packed", "packed_shuffled"),
             ("packed_sorted", "packed_shuffled"), ("packed", "packed_sorted"), ("counts", "shuffled"),
@@ -366,7 +367,7 @@ def run(data: str, arm: str, seed: int, optimizer: str = "adamw", warmup: float 
     collate = PadCollate(pad_token_id=0)
     for k, step in enumerate(steps):
         factor = schedule_factor(k, len(steps), config)
-        if arm in LR_RULE:  # the demo's rule: sqrt(tokens / mean) on variable batches
+        if arm in LR_RULE:  # TokenLRScaler's rule: sqrt(tokens / mean) on variable batches
             factor *= (tokens[k] / reference) ** 0.5
         for group in opt.param_groups:
             group["lr"] = base_lr * factor
