@@ -45,10 +45,6 @@ def references(models, samples):
     return {f: sc.reference(models[f], samples) for f in FAMILIES}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
-
-
 # -- fact 1: the vision tower ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_item_is_encoded_from_its_own_rows_and_its_grid(models, family):
@@ -62,7 +58,7 @@ def test_each_item_is_encoded_from_its_own_rows_and_its_grid(models, family):
     frames = visual(rows[256:], grid_thw=torch.tensor([[1, 8, 12], [1, 8, 12]])).pooler_output
     assert torch.equal(frames, alone[1])                                         # a video = its frames
     transposed = visual(rows[:192], grid_thw=torch.tensor([[1, 16, 12]])).pooler_output
-    assert _rel(transposed, alone[0]) > 1e-6                                     # the grid is required
+    assert sc.rel(transposed, alone[0]) > 1e-6                                     # the grid is required
     with pytest.raises(Exception):                                               # fact 4: empty calls raise
         visual(rows[:0], grid_thw=grid[:0])
 
@@ -136,10 +132,10 @@ def test_inputs_embeds_without_position_ids_fall_back_silently(models, samples, 
         embeds = embeds.masked_scatter((batch["input_ids"] == token)[..., None], y)
     wrong = model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], use_cache=False).logits
     mask = batch["attention_mask"].bool()
-    assert _rel(wrong[mask], ref_logits[mask]) > 1e-4
+    assert sc.rel(wrong[mask], ref_logits[mask]) > 1e-4
     adapter, llm, lb = sc.local_llm(model, samples, "padded")
     ours = adapter.forward(model, llm, lb)
-    assert _rel(ours[mask], ref_logits[mask]) <= EXACT
+    assert sc.rel(ours[mask], ref_logits[mask]) <= EXACT
 
 
 @pytest.mark.parametrize("family", FAMILIES)

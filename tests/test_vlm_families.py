@@ -47,10 +47,6 @@ def references(models, samples):
     return {f: sc.reference(models[f], samples[f]) for f in FAMILIES}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
-
-
 def _audio_tower(n_window: int):
     from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniAudioEncoderConfig
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
@@ -81,7 +77,7 @@ def test_clips_are_encoded_independently(models):
     together = tower(feats, feature_lens=torch.tensor(lens)).last_hidden_state
     rows = audio_output_rows(np.array(lens)).tolist()
     alone = [tower(x, feature_lens=torch.tensor([x.shape[1]])).last_hidden_state for x in feats.split(lens, dim=1)]
-    assert _rel(torch.cat(alone), together) <= EXACT and [a.shape[0] for a in alone] == rows
+    assert sc.rel(torch.cat(alone), together) <= EXACT and [a.shape[0] for a in alone] == rows
 
 
 @pytest.mark.parametrize("n_window", [8, 5])
@@ -97,10 +93,10 @@ def test_a_long_clip_cuts_exactly_at_the_towers_windows_and_nowhere_else(n_windo
         return tower(feats, feature_lens=torch.tensor(lens)).last_hidden_state
 
     exact = 2 * n_window * (1 if n_window % 2 == 0 else 2)
-    assert _rel(cut(exact), whole) <= EXACT
+    assert sc.rel(cut(exact), whole) <= EXACT
     for wrong in (n_window, 2 * n_window) if n_window % 2 else (n_window,):
         pieces = cut(wrong)
-        assert pieces.shape != whole.shape or _rel(pieces, whole) > 1e-3
+        assert pieces.shape != whole.shape or sc.rel(pieces, whole) > 1e-3
 
 
 def test_the_thinker_never_uses_audio_bos_eos_token_and_the_adapter_says_so(models, references):

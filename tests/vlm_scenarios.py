@@ -191,6 +191,11 @@ def reference(model: torch.nn.Module, samples: list[dict]) -> tuple[float, dict[
     return float(loss.detach()), grads
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error (2-norm) of ``a`` against ``b``."""
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
 def rel_err(grads: dict, ref: dict) -> float:
     """Largest relative error (2-norm) over parameters; a parameter missing a gradient counts as 1."""
     worst = 0.0

@@ -57,7 +57,6 @@ def _lpt_heap(arr: np.ndarray, order: np.ndarray, num_ranks: int, cap: float | N
     """Heap of (load, rank): the least loaded rank, lowest index on ties. With a cap on the costs themselves,
     the least loaded rank is the only one that can fit an item if any can."""
     out = np.empty(arr.size, dtype=np.int64)
-    values = arr.tolist()
     heap = [(0.0, r) for r in range(num_ranks)]
     if cap is None and not equal_counts:
         # The common case, with nothing to check per item.
@@ -68,6 +67,7 @@ def _lpt_heap(arr: np.ndarray, order: np.ndarray, num_ranks: int, cap: float | N
             replace(heap, (load + v, r))
         out[order] = dest
         return out
+    values = arr.tolist()
     q, extra = _equal_quota(arr.size, num_ranks)
     counts = [0] * num_ranks
     at_extra = 0

@@ -128,8 +128,8 @@ def time_phases(model: torch.nn.Module, adapter: VLMAdapter | None = None, *, co
                 rows, item_rows, meta = adapter.warmup_item(phase, size)
                 actual = int(sum(item_rows))
                 k = config.items_per_call
-                rows, item_rows, meta = torch.cat([rows] * k).to(device=device, dtype=dtype), list(item_rows) * k, \
-                    torch.cat([meta] * k)
+                rows = torch.cat([rows] * k).to(device=device, dtype=dtype)
+                item_rows, meta = list(item_rows) * k, torch.cat([meta] * k)
 
                 def run(phase=phase, rows=rows, item_rows=item_rows, meta=meta):
                     return adapter.encode(phase, rows, item_rows, meta)
