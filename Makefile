@@ -41,8 +41,8 @@ bench: $(VENV)/.installed-demo
 # W -> W' resume sweep (issue 20): every ordered pair of world sizes in 1..4, both policies, accumulation 1/2,
 # join and quota; its own JSON line.
 soak: $(VENV)/.installed-test
-	$(PY) benchmarks/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 1800
-	$(PY) benchmarks/soak.py --elastic --seed 0
+	$(PY) benchmarks/failures/soak.py --seed 0 --configs 1000 --fresh 100 --time-limit 1800
+	$(PY) benchmarks/failures/soak.py --elastic --seed 0
 
 check-protocol: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/test_model_checker.py

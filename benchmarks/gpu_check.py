@@ -21,7 +21,7 @@ still leaves what it measured; the LAST line is ``{"section": "summary", ...}``.
    single-process one, and times plan, step and the raw all-to-all per size.
 5. ``vlm_phases`` -- per-phase bf16 forward+backward times of a Qwen2.5-VL-7B-shaped model (random init: its
    vision tower on single frames of L patch rows, its text model on single examples of L tokens, through the
-   balanced step's own adapter), each beside its training FLOPs (``evenflow.models.hf_vlm.flops``: achieved
+   balanced step's own adapter), each beside its training FLOPs (``evenflow.vlm.flops``: achieved
    TFLOP/s), and the per-phase quadratic the planners take (``VLMConfig.time_cost``) fitted to them -- the
    cost model of a real GPU.
 6. ``flash_attn`` -- packed (padding-free) FlashAttention-2 against sdpa on the same Qwen2.5-VL-shaped text
@@ -322,9 +322,9 @@ def section_loader(mode: Mode, deadline: float) -> dict:
 def _orch_rank(rank: int, world: int, mode: Mode) -> dict:
     import torch.distributed as dist
 
-    from evenflow.balance.dispatch import all_to_all_rows
-    from evenflow.balance.orchestrator import GlobalOrchestrator, local_step
-    from evenflow.models import TinyMLLM, TinyMLLMConfig, make_examples, orchestrator_config
+    from evenflow.exchange.dispatch import all_to_all_rows
+    from evenflow.exchange import GlobalOrchestrator, local_step
+    from evenflow.testing import TinyMLLM, TinyMLLMConfig, make_examples, orchestrator_config
 
     device = torch.device(mode.device, rank) if mode.device == "cuda" else torch.device("cpu")
     if mode.device == "cuda":
@@ -427,11 +427,11 @@ def section_orchestrator(mode: Mode, deadline: float) -> dict:
 # -- 5. per-phase times of a Qwen2.5-VL-7B-shaped model --------------------------------------------------------
 
 def build_qwen2_5_vl(mode: Mode):
-    """Qwen2.5-VL-7B's shape on a GPU (``evenflow.models.hf_vlm.flops.QWEN2_5_VL_7B``), a tiny one on CPU; random
+    """Qwen2.5-VL-7B's shape on a GPU (``evenflow.vlm.flops.QWEN2_5_VL_7B``), a tiny one on CPU; random
     init, built in ``mode.dtype`` on ``mode.device`` (never a full-precision copy of 8 B parameters)."""
     import transformers
 
-    from evenflow.models.hf_vlm.flops import QWEN2_5_VL_7B
+    from evenflow.vlm.flops import QWEN2_5_VL_7B
 
     if mode.reduced:
         vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, window_size=56,
@@ -472,8 +472,8 @@ def _fwd_bwd_seconds(fn, mode: Mode, repeats: int) -> float:
 
 def section_vlm_phases(mode: Mode, deadline: float) -> dict:
     from evenflow.balance import fit_quadratic
-    from evenflow.models.hf_vlm import QwenVLAdapter
-    from evenflow.models.hf_vlm.flops import llm_example_flops, vision_frame_flops
+    from evenflow.vlm import QwenVLAdapter
+    from evenflow.vlm.flops import llm_example_flops, vision_frame_flops
 
     model = build_qwen2_5_vl(mode)
     adapter = QwenVLAdapter(model)

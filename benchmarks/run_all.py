@@ -22,19 +22,13 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE))  # benchmarks/: common.*, <group>.*
 
-import bench_composition  # noqa: E402
-import bench_gloo  # noqa: E402
-import bench_loader  # noqa: E402
-import bench_mllm  # noqa: E402
-import bench_moves  # noqa: E402
-import bench_packing  # noqa: E402
-import bench_sim  # noqa: E402
-import bench_train  # noqa: E402
-import bench_vlm  # noqa: E402
-import bench_vlm_sim  # noqa: E402
-import report  # noqa: E402
+from common import report  # noqa: E402
+from loader import bench_gloo, bench_loader, bench_moves  # noqa: E402
+from planning import bench_composition, bench_packing, bench_sim  # noqa: E402
+from training import bench_train  # noqa: E402
+from vlm import bench_mllm, bench_vlm, bench_vlm_sim  # noqa: E402
 
 RESULTS = HERE / "results"
 VLM_STEPS = 12
@@ -224,8 +218,8 @@ def weaknesses(sim: dict) -> str:
 
 def planner_latency(quick: bool) -> dict:
     """``plan_balance`` after warm-up (uniform and skewed) and one global round plan, min over repeats."""
-    import bench_balance  # noqa: PLC0415 - heavy imports only when this section runs
-    import bench_planner  # noqa: PLC0415
+    from planning import bench_planner  # noqa: PLC0415 - heavy imports only when this section runs
+    from vlm import bench_balance  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     return {"plan_balance": bench_balance.plan_latency(np.random.default_rng(0), 3 if quick else 7),

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 import evenflow
-from evenflow.balance.orchestrator import GlobalOrchestrator
+from evenflow.exchange import GlobalOrchestrator
 from evenflow.data import QwenChatTokenizer, chitchat_conversations
 from evenflow.data.audio import AUDIO_PAD_ID
 from evenflow.data.multimodal import MediaCollate, MediaMix, MultimodalChatDataset
-from evenflow.models import (TinyMLLM, TokenFold, example_from_sample, orchestrated_step, orchestrator_config,
+from evenflow.testing import (TinyMLLM, TokenFold, example_from_sample, orchestrated_step, orchestrator_config,
                              real_media_config)
 
 MODES = {"none": dict(balance=False), "llm": dict(balance_encoders=False), "full": {}}

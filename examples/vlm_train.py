@@ -43,8 +43,8 @@ from evenflow.data import chitchat_conversations
 from evenflow.data.multimodal import MediaMix, MultimodalChatDataset
 from evenflow.data.video import VideoChatDataset
 from evenflow.data.vocab import RemappedDataset, VocabRemap
-from evenflow.models.hf_vlm import BalancedVLM, VLMConfig, unwrap_model
-from evenflow.models.hf_vlm.tiny import dense_vocab, tiny_vlm
+from evenflow.vlm import BalancedVLM, VLMConfig, unwrap_model
+from evenflow.testing.tiny_vlm import dense_vocab, tiny_vlm
 
 PATCH_BUDGET = 1024
 """Vision patch rows per rank and step: the loader's budget and the balancer's cap alike."""
@@ -188,7 +188,7 @@ def train_trainer(dataset, out_dir: str, *, family: str = "qwen2_vl", vocab: Voc
     from transformers import TrainingArguments
 
     from evenflow.integrations.hf import DynamicBatchTrainer
-    from evenflow.runtime.step_info import STEP_INFO_KEY
+    from evenflow.step_info import STEP_INFO_KEY
 
     class BalancedVLMTrainer(DynamicBatchTrainer):
         """compute_loss runs the balanced step; the loss comes back already scaled (loss_is_scaled_for_ga)."""

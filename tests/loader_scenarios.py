@@ -240,7 +240,7 @@ def sc_fault(rank, world, kind, die_at=3, loader_kwargs=None, peer_start_s=0.0):
 def sc_dead_peer_in_all_to_all(rank, world):
     """Rank 1 exits after the peer table is known; the others then enter a sample all-to-all (the balanced and
     global rounds' exchange 4), which must fail naming rank 1 rather than with gloo's bare socket error."""
-    from evenflow.balance.dispatch import exchange_samples
+    from evenflow.exchange.dispatch import exchange_samples
     from evenflow.runtime.comm import MetadataExchange, resolve_topology
 
     topology = resolve_topology(None, timedelta(seconds=15))

@@ -342,7 +342,7 @@ def test_decide_round_refuses_ranks_that_disagree_naming_both_sides(field, value
 
 
 def test_error_details_survive_the_fixed_size_exchange():
-    from evenflow.runtime.faults import DETAIL_WIDTH, decode_detail, encode_detail
+    from evenflow.errors import DETAIL_WIDTH, decode_detail, encode_detail
 
     class Custom(Exception):  # need not pickle: only its name and text travel
         pass

@@ -109,7 +109,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _scenario_samples(rank: int, world: int, group) -> dict:
-    from evenflow.balance.dispatch import arrival_order, exchange_samples
+    from evenflow.exchange.dispatch import arrival_order, exchange_samples
 
     mine, dest = _samples_of(rank)
     got = exchange_samples(mine, dest, group=group)
@@ -125,14 +125,14 @@ def _scenario_samples(rank: int, world: int, group) -> dict:
 
 
 def _scenario_samples_empty(rank: int, world: int, group) -> dict:
-    from evenflow.balance.dispatch import exchange_samples
+    from evenflow.exchange.dispatch import exchange_samples
 
     got = exchange_samples([], [], group=group)
     return {"received": len(got)}
 
 
 def _scenario_rows_grad(rank: int, world: int, group) -> dict:
-    from evenflow.balance.dispatch import all_to_all_rows
+    from evenflow.exchange.dispatch import all_to_all_rows
 
     # Rank r sends (r + d) % 3 rows to rank d: some splits are 0; row values encode (src, dest, k).
     send = [(rank + d) % 3 for d in range(world)]
@@ -151,7 +151,7 @@ def _scenario_rows_grad(rank: int, world: int, group) -> dict:
 
 
 def _examples_for(layout: str, rank: int):
-    from evenflow.models import TinyMLLMConfig, make_examples
+    from evenflow.testing import TinyMLLMConfig, make_examples
 
     cfg = TinyMLLMConfig()
     g = torch.Generator().manual_seed(7 * rank + 1)
@@ -188,8 +188,9 @@ def _rel_err(a: list, b: list) -> float:
 
 
 def _scenario_mllm(rank: int, world: int, group, *, layout: str) -> dict:
-    from evenflow.balance.orchestrator import GlobalOrchestrator, local_step, rank_routing
-    from evenflow.models import TinyMLLM, TinyMLLMConfig, orchestrator_config
+    from evenflow.exchange import GlobalOrchestrator, local_step
+    from evenflow.balance.phases import rank_routing
+    from evenflow.testing import TinyMLLM, TinyMLLMConfig, orchestrator_config
 
     cfg = TinyMLLMConfig()
     torch.manual_seed(0)

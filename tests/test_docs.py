@@ -97,3 +97,10 @@ def test_a_block_without_a_tag_is_found(tmp_path, monkeypatch):
     assert found == [("a", "python"), (None, "bash"), (None, "text"), ("a", "bash")]
     with pytest.raises(ValueError, match="tagged twice"):
         _snippets.all_snippets()
+
+
+def test_the_api_reference_lists_every_public_vlm_name():
+    from evenflow import vlm
+    page = (ROOT / "docs" / "reference" / "vlm.md").read_text()
+    listed = set(re.findall(r"^::: evenflow\.vlm\.(\w+)$", page, re.M))
+    assert listed == set(vlm.__all__), f"not on docs/reference/vlm.md: {sorted(set(vlm.__all__) - listed)}"

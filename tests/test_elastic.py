@@ -3,7 +3,8 @@
 The states come from one real 3-rank gloo world (saved mid-epoch, at an epoch end, under each policy, in quota
 mode, from iterable streams); the refusals are checked on 1-rank loaders in this process (every check runs
 in ``load_state_dict``, before any collective). The W -> W' exactly-once sweep runs a seeded slice of
-benchmarks/elastic_sweep.py on fresh gloo worlds (the full sweep: ``python benchmarks/soak.py --elastic``).
+benchmarks/failures/elastic_sweep.py on fresh gloo worlds (the full sweep: ``python benchmarks/failures/soak.py
+--elastic``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from _dist import run_world
 from evenflow.runtime.redeal import check_world, redeal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import elastic_sweep  # noqa: E402
+from failures import elastic_sweep  # noqa: E402
 
 N = 400
 BUDGET = sc.BUDGET

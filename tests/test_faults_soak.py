@@ -1,4 +1,4 @@
-"""The seeded slice of the soak (benchmarks/soak.py) that `make test` runs: real gloo worlds, every planning
+"""The seeded slice of the soak (benchmarks/failures/soak.py) that `make test` runs: real gloo worlds, every planning
 policy, 0 lost / duplicated / over budget / unequal / hangs / errors. The full soak is `make soak`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import soak  # noqa: E402
+from failures import soak  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1000)]  # bounded by the soak deadlines; a loaded box is slow
 

@@ -1,4 +1,7 @@
-"""No import cycles in ``src/evenflow`` or ``benchmarks/``, read from the source.
+"""Every import in ``src/evenflow`` points down the stated order of layers, and there are no import cycles in
+``src/evenflow`` or ``benchmarks/``, read from the source.
+
+The order is :data:`LAYERS` here and the module map of ``docs/design.md`` (a test checks that the two agree).
 
 Every ``import`` statement counts wherever it stands: at module level, inside a function (a deferred import
 still ties the two modules together; it only hides the cycle until the function runs), and inside ``if
@@ -24,6 +27,29 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
 ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom to top: (floor, the top-level packages or modules on it)
+    ("ground", ("errors", "step_info", "quadratic", "lr", "memory", "deprecation")),
+    ("planning", ("planning",)),
+    ("balance", ("balance",)),
+    ("data", ("data",)),
+    ("sim", ("sim",)),
+    ("exchange", ("exchange",)),
+    ("runtime", ("runtime",)),
+    ("vlm", ("vlm",)),
+    ("integrations", ("integrations",)),
+    ("api", ("evenflow",)),
+    ("testing", ("testing",)),
+    ("demo", ("demo",)),
+    ("cli", ("cli",)),
+]
+"""A module may import from its own floor and from any floor below it, never from one above. The old import
+paths that forward to a moved module (``evenflow.models``, ``evenflow.balance.orchestrator``, ...) import only
+``evenflow.deprecation`` (ground), by name at first use, so they sit on any floor without an arrow upwards."""
+
+OLD_PATHS = ("evenflow.models", "evenflow.balance.orchestrator", "evenflow.balance.dispatch", "evenflow.runtime.faults",
+             "evenflow.runtime.step_info")
+"""Modules kept only so that old imports work (a ``DeprecationWarning`` names the new home)."""
 
 
 def _modules(root: Path, prefix: str) -> dict[str, Path]:
@@ -93,6 +119,98 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _edges_within(graph: dict[str, set[str]], group: list[str]) -> list[str]:
     return [f"{a} -> {b}" for a in group for b in sorted(graph[a]) if b in group]
+
+
+def top_level(module: str, package: str = "evenflow") -> str:
+    """The top-level package or module of ``package`` that ``module`` is in (``package`` itself for its root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else package
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, tuple[str, ...]]],
+                   package: str = "evenflow") -> list[str]:
+    """Every import whose target sits on a higher floor than the importer, as ``"a (floor) -> b (floor)"``;
+    a module on no floor is reported too, so a new package must be given one."""
+    floor = {name: i for i, (_, names) in enumerate(layers) for name in names}
+    found = []
+    for a in sorted(graph):
+        if top_level(a, package) not in floor:
+            found.append(f"{a} is on no floor: add {top_level(a, package)!r} to LAYERS and docs/design.md")
+            continue
+        for b in sorted(graph[a]):
+            fa, fb = floor[top_level(a, package)], floor.get(top_level(b, package), -1)
+            if fb > fa:
+                found.append(f"{a} ({layers[fa][0]}) -> {b} ({layers[fb][0]})")
+    return found
+
+
+def package_graph(graph: dict[str, set[str]], package: str = "evenflow") -> dict[str, set[str]]:
+    """The graph of top-level packages: an edge wherever one of a package's modules imports another's."""
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(top_level(a, package), set()).update(
+            top_level(b, package) for b in targets if top_level(b, package) != top_level(a, package))
+    return out
+
+
+def _package_graph_without_old_paths() -> tuple[dict[str, set[str]], dict[str, Path]]:
+    modules = _modules(ROOT / "src" / "evenflow", "evenflow")
+    graph = import_graph({"evenflow": ROOT / "src" / "evenflow"})
+    return {a: b for a, b in graph.items() if not a.startswith(OLD_PATHS)}, modules
+
+
+def test_every_import_points_down_the_layers():
+    graph, _ = _package_graph_without_old_paths()
+    floors = [name for _, names in LAYERS for name in names]
+    assert len(floors) == len(set(floors))
+    assert not upward_imports(graph, LAYERS), "imports that run up the layers (move the shared piece down, or " \
+        "pass it in from above):\n  " + "\n  ".join(upward_imports(graph, LAYERS))
+    packages = package_graph(graph)
+    assert "exchange" in packages["runtime"] and "balance" in packages["sim"]  # the graph was read
+    assert cycles(packages) == []
+
+
+def test_old_import_paths_only_forward():
+    """An old path is one line that forwards by name: it may import nothing of evenflow but the forwarder (an
+    import of its new home would be an arrow up from, e.g., ``balance`` to ``exchange``)."""
+    graph = import_graph({"evenflow": ROOT / "src" / "evenflow"})
+    modules = _modules(ROOT / "src" / "evenflow", "evenflow")
+    old = sorted(name for name in graph if name.startswith(OLD_PATHS))
+    assert len(old) == 23
+    for name in old:
+        assert graph[name] == {"evenflow.deprecation"}, (name, graph[name])
+        assert "__getattr__ = moved(__name__, " in modules[name].read_text()
+
+
+def test_a_planted_upward_import_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from ..low import b\n")
+    (pkg / "low" / "b.py").write_text("X = 1\n")
+    layers = [("low", ("low",)), ("high", ("high",)), ("api", ("pkg",))]
+    assert upward_imports(import_graph({"pkg": pkg}), layers, "pkg") == []
+    for planted in ("from ..high import a\n",  # module level
+                    "def f():\n    from ..high.a import g\n",  # deferred
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.high.a\n"):  # type-only
+        (pkg / "low" / "c.py").write_text(planted)
+        assert upward_imports(import_graph({"pkg": pkg}), layers, "pkg") == ["pkg.low.c (low) -> pkg.high.a (high)"]
+    (pkg / "low" / "c.py").write_text("from .. import high\n")
+    assert upward_imports(import_graph({"pkg": pkg}), layers, "pkg") == ["pkg.low.c (low) -> pkg.high (high)"]
+    (pkg / "new").mkdir()
+    (pkg / "new" / "__init__.py").write_text("")
+    assert "pkg.new is on no floor" in upward_imports(import_graph({"pkg": pkg}), layers, "pkg")[-1]
+
+
+def test_design_page_states_the_same_layers():
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("<!-- layers -->")[1]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| floor")]
+    stated = [(row.split("|")[1].strip(), tuple(sorted(n.strip(" `") for n in row.split("|")[2].split(","))))
+              for row in rows]
+    assert stated == [(name, tuple(sorted(names))) for name, names in reversed(LAYERS)]
 
 
 def test_no_import_cycles_in_the_package_or_the_benchmarks():

@@ -1,6 +1,6 @@
 """Misuse cannot pass silently: a StepInfo never popped, a loss never scaled, a batch_size= argument.
 
-NOTE [ Misuse is loud ] in evenflow.runtime.step_info.
+NOTE [ Misuse is loud ] in evenflow.step_info.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import evenflow
-from evenflow.runtime.step_info import StepInfoMisuse
+from evenflow.step_info import StepInfoMisuse
 
 
 class Tiny(torch.utils.data.Dataset):

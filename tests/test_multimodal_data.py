@@ -104,9 +104,9 @@ def test_cutoff_never_cuts_inside_media():
 
 
 def test_audio_windows_change_the_items_not_the_result():
-    from evenflow.balance.orchestrator import local_step
-    from evenflow.models import TinyMLLM, TokenFold, example_from_sample, orchestrator_config, real_media_config
-    from evenflow.models import split_rows
+    from evenflow.exchange import local_step
+    from evenflow.testing import TinyMLLM, TokenFold, example_from_sample, orchestrator_config, real_media_config
+    from evenflow.testing import split_rows
 
     assert split_rows(1000, 400, 4) == [400, 400, 200] and split_rows(100, 400, 4) == [100]
     with pytest.raises(ValueError, match="multiple of 4"):

@@ -35,8 +35,8 @@ def _flat_grads(model) -> torch.Tensor:
 
 def _reference(model, samples, fold, ocfg) -> torch.Tensor:
     """Gradient of the global per-token mean loss of ``samples``, one process, no exchange."""
-    from evenflow.balance.orchestrator import local_step
-    from evenflow.models import example_from_sample
+    from evenflow.exchange import local_step
+    from evenflow.testing import example_from_sample
 
     examples = [example_from_sample(s, fold, dtype=torch.float64) for s in samples]
     total = sum(ex.meta(ocfg).loss_tokens for ex in examples)
@@ -49,7 +49,7 @@ def _reference(model, samples, fold, ocfg) -> torch.Tensor:
 
 def _train_step(model, orch, fold, samples, dataset, rank):
     """One orchestrated step; returns what the parent checks (gradients summed over ranks)."""
-    from evenflow.models import example_from_sample, orchestrated_step
+    from evenflow.testing import example_from_sample, orchestrated_step
 
     local = [example_from_sample(s, fold, dtype=torch.float64) for s in samples]
     model.zero_grad()
@@ -61,10 +61,10 @@ def _train_step(model, orch, fold, samples, dataset, rank):
 
 def _scenario(rank: int, world: int, samples: tuple) -> dict:
     from evenflow import DynamicBatchLoader, pop_step_info
-    from evenflow.balance.orchestrator import GlobalOrchestrator
+    from evenflow.exchange import GlobalOrchestrator
     from evenflow.data.audio import AUDIO_PAD_ID
     from evenflow.data.multimodal import MediaCollate
-    from evenflow.models import TinyMLLM, TokenFold, orchestrator_config, real_media_config
+    from evenflow.testing import TinyMLLM, TokenFold, orchestrator_config, real_media_config
 
     torch.set_num_threads(1)
     dataset = CachedDataset(samples)

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenflow.balance.orchestrator import (ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata,
-                                           encode_metadata, plan_step, rank_routing)
+from evenflow.balance.phases import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata, plan_step, rank_routing
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONFIG = OrchestratorConfig(encoders={"vision": PhaseSpec(input_dim=3, downsample=2),

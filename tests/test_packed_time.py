@@ -1,7 +1,7 @@
 """Padding-free packs balanced on time (issue 35): the tail, the deal, the time cost on the loader and in its state.
 
 NOTE [ Packed steps balanced on time ] (evenflow.planning.pooled.packs) and NOTE [ The default time cost ]
-(evenflow.planning.timecost). The balance figures on real data are benchmarks/bench_packing.py's.
+(evenflow.planning.timecost). The balance figures on real data are benchmarks/planning/bench_packing.py's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_the_tail_is_balanced_like_the_middle_in_the_real_loader():
     steps (the loader and global_schedule plan alike; the tail was in both)."""
     lengths, world, budget, buffer = _lengths(), 3, 1024, 32
     sys.path.insert(0, str(BENCH))
-    import bench_packing as bp
+    from planning import bench_packing as bp
 
     per_rank = run_world(bp.real_rank_steps, world, lengths, budget, buffer, timeout=240)
     real = [list(step) for step in zip(*per_rank, strict=True)]
@@ -175,8 +175,8 @@ def test_the_benchmark_counts_trl_repeats_and_multipack_drops():
     pytest.importorskip("trl")
     pytest.importorskip("accelerate")
     sys.path.insert(0, str(BENCH))
-    import bench_packing as bp
-    from multipack_allocator import multipack_steps
+    from planning import bench_packing as bp
+    from planning.multipack_allocator import multipack_steps
 
     lengths = np.array([5, 3, 7, 2, 2, 9, 4, 1, 6, 3])
     trl = bp.trl_steps(lengths, 2, 10, "bfd")

@@ -1,4 +1,4 @@
-"""benchmarks/quality_replay.py's arms are what its docstring says they are (no training: the schedules only).
+"""benchmarks/training/quality_replay.py's arms are what its docstring says they are (no training: the schedules only).
 
 The replay's figures are paired differences between arms, so each arm must train every sample of the epoch
 exactly once, and a control must keep what it claims to keep: ``X_shuffled`` X's step token counts (to the
@@ -7,7 +7,7 @@ nearest sample), ``counts`` the default's samples per step, ``w4`` / ``accum2`` 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -19,11 +19,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def replay():
-    sys.path.insert(0, str(BENCHMARKS))  # quality_replay imports its neighbour mixed_packs for the packed arms
-    spec = importlib.util.spec_from_file_location("quality_replay", BENCHMARKS / "quality_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+    sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ holds training/ and the planning/mixed_packs it imports
+    yield importlib.import_module("training.quality_replay")
     sys.path.remove(str(BENCHMARKS))
 
 

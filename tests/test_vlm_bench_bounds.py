@@ -1,10 +1,10 @@
-"""The lower bound benchmarks/bench_vlm.py scores the split plans against (``pigeonhole_bound``) is a lower bound:
+"""The lower bound benchmarks/vlm/bench_vlm.py scores the split plans against (``pigeonhole_bound``) is a lower bound:
 never above the exact optimum (a MILP on small cases), and above the indivisible-item bound where a rank holds a
 few equal pieces -- the case that bounds the audio phase at the first part's budgets."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -18,11 +18,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def bench_vlm():
-    sys.path.insert(0, str(BENCHMARKS))  # bench_vlm imports its neighbour _world
-    spec = importlib.util.spec_from_file_location("bench_vlm", BENCHMARKS / "bench_vlm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+    sys.path.insert(0, str(BENCHMARKS))  # benchmarks/ holds vlm/ and the common/world it imports
+    yield importlib.import_module("vlm.bench_vlm")
     sys.path.remove(str(BENCHMARKS))
 
 

@@ -58,7 +58,7 @@ def _docs_page(rank: int, world: int) -> dict:
 
     from _snippets import snippet
     from evenflow import PadCollate
-    from evenflow.models.hf_vlm import BalancedVLM
+    from evenflow.vlm import BalancedVLM
 
     ns: dict = {}
     printed = io.StringIO()

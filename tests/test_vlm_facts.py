@@ -15,9 +15,9 @@ import torch
 
 import vlm_scenarios as sc
 from evenflow import FlatCollate, PadCollate
-from evenflow.balance.orchestrator import (ExampleError, ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata,
-                                           encode_metadata, plan_step)
-from evenflow.models.hf_vlm import QwenVLAdapter, VLMConfig, adapter_for, llm_batch
+from evenflow.errors import ExampleError
+from evenflow.balance.phases import ExampleMeta, OrchestratorConfig, PhaseSpec, decode_metadata, encode_metadata, plan_step
+from evenflow.vlm import QwenVLAdapter, VLMConfig, adapter_for, llm_batch
 
 pytestmark = pytest.mark.timeout(300)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -243,7 +243,7 @@ def test_video_slices_are_items_of_one_temporal_patch_each(models):
 
 
 def test_an_llm_batch_without_examples_is_one_dummy_token():
-    from evenflow.balance.orchestrator import LLMInputs
+    from evenflow.exchange import LLMInputs
 
     empty = LLMInputs(example_ids=[], input_ids=[], labels=[], media={}, media_counts={}, total_loss_tokens=5,
                       token_fields={"position_ids": []})

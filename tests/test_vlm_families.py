@@ -18,8 +18,8 @@ import torch
 
 import vlm_scenarios as sc
 from evenflow import FlatCollate, PadCollate
-from evenflow.balance.orchestrator import ExampleError
-from evenflow.models.hf_vlm import Qwen3VLAdapter, QwenOmniAdapter, VLMConfig, adapter_for, audio_output_rows
+from evenflow.errors import ExampleError
+from evenflow.vlm import Qwen3VLAdapter, QwenOmniAdapter, VLMConfig, adapter_for, audio_output_rows
 
 pytestmark = pytest.mark.timeout(300)
 FAMILIES = ("qwen2_5_omni", "qwen3_vl")
@@ -142,7 +142,7 @@ def test_without_the_audio_merge_the_thinker_trains_on_placeholder_embeddings(mo
     own embeddings -- no error, a different loss, and no gradient for the audio tower."""
     model = models["qwen2_5_omni"]
     ref_loss, _ = references["qwen2_5_omni"]
-    from evenflow.models.hf_vlm import QwenVLAdapter
+    from evenflow.vlm import QwenVLAdapter
 
     class VisionMergeOnly(QwenOmniAdapter):
         _call = QwenVLAdapter._call
@@ -213,7 +213,7 @@ def test_audio_slices_cut_at_the_window_and_keep_the_positions(models):
 def test_a_warm_up_that_cannot_resolve_a_phase_refuses_to_fit():
     """Times that do not grow with the size (a tiny tower, all per-call overhead) would fit a zero cost, and a
     zero-cost phase is not balanced at all: refused, naming the phase (every rank raises, see warmup.py)."""
-    from evenflow.models.hf_vlm.warmup import _fit
+    from evenflow.vlm.warmup import _fit
 
     grows = [(16, 1.0e-3), (64, 1.6e-3), (144, 2.9e-3)]
     coef = _fit({"vision": grows, "llm": grows})
@@ -225,7 +225,7 @@ def test_a_warm_up_that_cannot_resolve_a_phase_refuses_to_fit():
 def test_a_warm_up_times_several_items_a_call_and_charges_each_its_share(models):
     """``items_per_call=k``: an encoder runs on k copies of each item in one call (its per-call overhead shared, as
     in a step), the time divided by k and the size still one item's; the LLM phase stays one example a call."""
-    from evenflow.models.hf_vlm import WarmupConfig, time_phases
+    from evenflow.vlm import WarmupConfig, time_phases
 
     model = models["qwen2_5_omni"]
     adapter = adapter_for(model, VLMConfig())

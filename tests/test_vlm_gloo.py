@@ -117,7 +117,7 @@ def _ddp_unused(rank: int) -> dict:
     refused by name; with it, or with the parameter frozen, the balanced step builds."""
     import torch.distributed as dist
 
-    from evenflow.models.hf_vlm import BalancedVLM
+    from evenflow.vlm import BalancedVLM
 
     model = sc.tiny_model("qwen2_5_omni", torch.float32)
     group = dist.new_group(backend="gloo")
@@ -130,7 +130,7 @@ def _ddp_unused(rank: int) -> dict:
 
 def _fit(rank: int, group) -> dict:
     """Every rank fits from its own timings; what it returns is rank 0's fit, bit for bit."""
-    from evenflow.models.hf_vlm import WarmupConfig, fit_phase_costs, time_phases
+    from evenflow.vlm import WarmupConfig, fit_phase_costs, time_phases
 
     model = sc.tiny_model("qwen2_vl", torch.float32)
     cost = fit_phase_costs(model, group=group, config=WarmupConfig(**WARMUP))
@@ -151,7 +151,7 @@ def _cost(bump: bool):
 
 
 def _plan_with_cost(rank: int, group, per, *, bump: bool) -> None:
-    from evenflow.models.hf_vlm import BalancedVLM, VLMConfig
+    from evenflow.vlm import BalancedVLM, VLMConfig
 
     vlm = BalancedVLM(sc.tiny_model("qwen2_vl", torch.float32), group=group,
                       config=VLMConfig(time_cost=_cost(bump)))
@@ -159,7 +159,7 @@ def _plan_with_cost(rank: int, group, per, *, bump: bool) -> None:
 
 
 def _state_round_trip(group) -> dict:
-    from evenflow.models.hf_vlm import BalancedVLM, VLMConfig, cost_from_state
+    from evenflow.vlm import BalancedVLM, VLMConfig, cost_from_state
 
     model = sc.tiny_model("qwen2_vl", torch.float32)
     state = BalancedVLM(model, group=group, config=VLMConfig(time_cost=_cost(False))).state_dict()

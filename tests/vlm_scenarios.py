@@ -291,7 +291,7 @@ def run_exact(rank: int, world: int, group, *, family: str, layout: str, dtype: 
 
     import torch.distributed as dist
 
-    from evenflow.models.hf_vlm import BalancedVLM, VLMConfig
+    from evenflow.vlm import BalancedVLM, VLMConfig
 
     trained = [s for r, samples in enumerate(per_rank) for s in samples
                if infos is None or not infos[r].is_idle]
@@ -376,7 +376,7 @@ def failing_adapter(fail_rank: int, *, die: bool = False):
 
     import torch.distributed as dist
 
-    from evenflow.models.hf_vlm import QwenVLAdapter
+    from evenflow.vlm import QwenVLAdapter
 
     class FailingEncoder(QwenVLAdapter):
         def encode(self, phase, rows, item_rows, item_meta):
@@ -391,7 +391,7 @@ def failing_adapter(fail_rank: int, *, die: bool = False):
 
 def step_info(*, samples: list[dict], world: int, global_tokens: int, idle: bool = False, ids: list[int] | None = None):
     """A StepInfo as the loader hands it (accumulation 1)."""
-    from evenflow.runtime.step_info import StepInfo
+    from evenflow.step_info import StepInfo
 
     local = 0 if idle else supervised(samples)
     return StepInfo(step=0, epoch=0, is_idle=idle, local_samples=0 if idle else len(samples),
@@ -416,7 +416,7 @@ def per_rank_many(seed: int = 2, count: int = 24) -> list[list[dict]]:
 def count_collectives(rank: int, world: int, group, *, per_rank: list[list[dict]], metadata_words: int = 1024
                       ) -> dict:
     """Collectives of one balanced step (forward, then backward), by name, on the orchestrator's group or not."""
-    from evenflow.models.hf_vlm import BalancedVLM, VLMConfig
+    from evenflow.vlm import BalancedVLM, VLMConfig
 
     model = tiny_model("qwen2_vl", torch.float32)
     vlm = BalancedVLM(model, group=group, config=VLMConfig(metadata_words=metadata_words))
@@ -432,8 +432,9 @@ def count_collectives(rank: int, world: int, group, *, per_rank: list[list[dict]
 # -- the same step in one process (no exchange): tests/test_vlm_facts.py ------------------------------------
 def local_llm(model: torch.nn.Module, samples: list[dict], layout: str = "packed", **config_kwargs):
     """``(adapter, LLMInputs, LLMBatch)`` of ``samples`` on one process: find, position, encode (no move)."""
-    from evenflow.balance.orchestrator import OrchestratorConfig, local_step
-    from evenflow.models.hf_vlm import VLMConfig, adapter_for, llm_batch
+    from evenflow.balance.phases import OrchestratorConfig
+    from evenflow.exchange import local_step
+    from evenflow.vlm import VLMConfig, adapter_for, llm_batch
 
     adapter = adapter_for(model, VLMConfig(layout=layout, **config_kwargs))
     examples = adapter.find_items(_collate(samples, layout))

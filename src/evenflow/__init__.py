@@ -16,8 +16,9 @@ _EXPORTS = {
     **dict.fromkeys(["AlignmentConfig", "GroupingConfig", "LossTokenRule", "count_loss_tokens", "decide_round",
                      "loss_scale", "plan_groups"], ".planning"),
     **dict.fromkeys(["BalanceConfig", "Topology", "plan_balance", "rebalance_step"], ".balance"),
-    **dict.fromkeys(["STEP_INFO_KEY", "DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate", "StepInfo",
-                     "pop_step_info", "scale_loss", "PeerStopped", "PeerError"], ".runtime"),
+    **dict.fromkeys(["DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate"], ".runtime"),
+    **dict.fromkeys(["STEP_INFO_KEY", "StepInfo", "pop_step_info", "scale_loss"], ".step_info"),
+    **dict.fromkeys(["PeerStopped", "PeerError", "StepInfoMisuse", "ExampleError"], ".errors"),
     **dict.fromkeys(["TokenLRRule", "TokenLRScaler", "default_reference_tokens", "lr_factor"], ".lr"),
 }
 
@@ -26,6 +27,7 @@ __all__ = [
     "plan_groups", "DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate", "STEP_INFO_KEY",
     "StepInfo", "pop_step_info", "scale_loss", "BalanceConfig", "Topology", "plan_balance", "rebalance_step",
     "TokenLRRule", "TokenLRScaler", "default_reference_tokens", "lr_factor", "PeerStopped", "PeerError",
+    "StepInfoMisuse", "ExampleError",
 ]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
@@ -33,8 +35,9 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from .lr import TokenLRRule, TokenLRScaler, default_reference_tokens, lr_factor
     from .planning import (AlignmentConfig, GroupingConfig, LossTokenRule, count_loss_tokens, decide_round,
                            loss_scale, plan_groups)
-    from .runtime import (STEP_INFO_KEY, DynamicBatchLoader, FlatCollate, LoaderConfig, PadCollate, PeerError,
-                          PeerStopped, StepInfo, pop_step_info, scale_loss)
+    from .errors import ExampleError, PeerError, PeerStopped, StepInfoMisuse
+    from .runtime import DynamicBatchLoader, FlatCollate, LoaderConfig, PadCollate
+    from .step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
 
 
 def __getattr__(name: str) -> object:

@@ -1,4 +1,4 @@
-"""Cross-rank post-balancing (OrchMLLM): plan on metadata, move data with one all-to-all.
+"""Cross-rank post-balancing (OrchMLLM), the planning half: who gets which item, from metadata alone.
 
 - costs.py        -- what an item costs: summed, padded ``n * f(max L)``, ``gamma + alpha L + beta L^2`` (+ fit)
 - planners.py     -- who gets which item: ``balance`` (dispatch by method) and ``plan_balance`` = balance +
@@ -11,9 +11,10 @@
 - locality.py     -- keep items home when that costs < 2 % balance
 - topology.py     -- which rank gets which balanced bucket: exact assignment on bytes, bottleneck-link MILP
 - rebalance.py    -- one loader step: move samples between ranks' groups under the padded budget
-- dispatch.py     -- the only torch.distributed part: all-to-all of samples and a differentiable all-to-all
-- orchestrator/   -- multi-phase MLLMs: a plan per phase (meta, plan, routing: pure), composed routing of
-                     encoder outputs (runtime)
+- phases/         -- multi-phase MLLMs: a plan per phase (meta, plan, routing)
+
+All of it pure: no ``torch.distributed`` here. The data moves -- the all-to-all of samples, the differentiable
+all-to-all and the orchestrator that runs a multi-phase plan -- are :mod:`evenflow.exchange`.
 """
 
 from .costs import QuadraticCost, as_costs, fit_quadratic, item_costs, padded_cost, summed_cost

@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..runtime.loader import DynamicBatchLoader
 from .states import LoaderCheckpoint
-from ..runtime.step_info import StepInfo, pop_step_info
+from ..step_info import StepInfo, pop_step_info
 
 __all__ = ["device_batches", "sync_window", "LoaderCheckpoint"]
 

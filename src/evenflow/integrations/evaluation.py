@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ..runtime.comm import sum_over
 from ..runtime.loader import DynamicBatchLoader
-from ..runtime.step_info import pop_step_info
+from ..step_info import pop_step_info
 
 __all__ = ["eval_loader", "evaluate_loss", "model_loss"]
 

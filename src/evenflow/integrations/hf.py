@@ -93,7 +93,7 @@ from ..lr import TokenLRRule, TokenLRScaler
 from ..planning.loss import LossTokenRule
 from ..runtime.comm import sum_over
 from ..runtime.loader import DynamicBatchLoader
-from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+from ..step_info import STEP_INFO_KEY, StepInfo
 from .evaluation import eval_loader, evaluate_loss
 from .hf_epochs import LOADER_STATE_FILE, BoundProgressCallback, EpochCallback, TrainBatches, read_loader_files
 from .metrics import StepMetrics

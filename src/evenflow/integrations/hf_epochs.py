@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.loader import DynamicBatchLoader
 from ..runtime.redeal import epoch_stream
-from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+from ..step_info import STEP_INFO_KEY, StepInfo
 
 __all__ = ["TrainBatches", "EpochCallback", "BoundProgressCallback", "LOADER_STATE_FILE", "read_loader_files"]
 

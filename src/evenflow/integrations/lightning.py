@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..lr import TokenLRRule, TokenLRScaler
 from ..runtime.loader import DynamicBatchLoader
 from .states import gather_states, resume_epoch
-from ..runtime.step_info import STEP_INFO_KEY, StepInfo, scale_loss
+from ..step_info import STEP_INFO_KEY, StepInfo, scale_loss
 from .evaluation import eval_loader
 from .lightning_logs import EvenflowModule, EvenflowProgressBar
 from .metrics import StepMetrics

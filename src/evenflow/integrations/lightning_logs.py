@@ -17,7 +17,7 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torchmetrics import Metric
 
-from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+from ..step_info import STEP_INFO_KEY, StepInfo
 
 __all__ = ["EvenflowModule", "EvenflowProgressBar"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..runtime.step_info import StepInfo
+from ..step_info import StepInfo
 
 __all__ = ["StepMetrics", "METRIC_PREFIX"]
 

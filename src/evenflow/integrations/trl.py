@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("evenflow.integrations.trl needs trl: pip install 'evenflow[trl]'") from exc
 
 from ..planning.loss import IGNORE_INDEX
-from ..runtime.step_info import STEP_INFO_KEY, StepInfo
+from ..step_info import STEP_INFO_KEY, StepInfo
 from .hf import DynamicBatchTrainer
 
 __all__ = ["DynamicBatchSFTTrainer"]

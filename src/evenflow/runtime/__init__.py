@@ -1,5 +1,9 @@
 """Runtime at the DataLoader boundary (public PyTorch APIs only).
 
+Its errors (``PeerStopped``, ``PeerError``) live in :mod:`evenflow.errors` and ``StepInfo`` in
+:mod:`evenflow.step_info`, on the ground floor, so the layers below the loader raise and read them too;
+both are re-exported here.
+
 - loader/      -- DynamicBatchLoader (loader.py: epochs, the trainer-facing iterator, state) and what it
                   delegates: config.py (argument checks, LoaderConfig), state.py (a saved state checked against
                   this loader), keys.py (the keyed sample streams it feeds the collator), idle.py (IDLE batches)
@@ -7,7 +11,6 @@
 - calls.py     -- its calls into user code on a bounded helper thread; dead DataLoader workers seen at once
 - transfer.py  -- how a sample moves to another rank: its tensors as their own bytes, the rest pickled
 - source.py    -- per-rank sample streams on a plain DataLoader(batch_size=None); map-style sharding
-- faults.py    -- PeerStopped / PeerError and the error-detail encoding (NOTE [ Faults in the round sequence ])
 - resume.py    -- validation of a loader state before resuming
 - comm.py      -- the only torch.distributed code: rank/world/group resolution and the int64 all_gather
                   (PeerTable: whichever collective a dead peer breaks, the error names it)
@@ -19,14 +22,13 @@
 - stream_check.py -- unsplit IterableDataset streams caught from the digests of each rank's first samples
 - epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``, PlannedLengths), via
                   evenflow.sim
-- step_info.py -- StepInfo, pop_step_info, scale_loss
 """
 
 from .collate import FlatCollate, PadCollate
-from .faults import PeerError, PeerStopped
+from ..errors import PeerError, PeerStopped
 from .loader import DynamicBatchLoader, LoaderConfig
 from .source import shard_indices
-from .step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
+from ..step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "FlatCollate", "PadCollate", "STEP_INFO_KEY", "StepInfo",
            "pop_step_info", "scale_loss", "shard_indices", "PeerError", "PeerStopped"]

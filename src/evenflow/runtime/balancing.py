@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..balance.dispatch import exchange_packed, pack_samples
+from ..exchange.dispatch import exchange_packed, pack_samples
 from ..balance.rebalance import rebalance_step, step_costs
 from ..planning.alignment import Item, Slot
 from ..planning.grouping import GroupingConfig

@@ -14,7 +14,7 @@ NOTE [ Round sequence ]
     A stop request, an error or the end of the epoch is *reported in an exchange* and acted upon only after
     the round's last exchange, so no rank ever leaves a peer waiting inside a collective. Which optional
     exchanges a round has follows from exchange 1, identically on every rank (NOTE [ Faults in the round
-    sequence ] in faults.py, NOTE [ Early stops ]). Calls into user code (the stream, ``length_fn``,
+    sequence ] in evenflow/errors.py, NOTE [ Early stops ]). Calls into user code (the stream, ``length_fn``,
     ``collate_fn``) run on a helper thread under a bound (NOTE [ User code is bounded ] in calls.py).
 
 NOTE [ The end of an epoch is agreed ]
@@ -45,9 +45,9 @@ from ..planning.loss import LossTokenRule, count_loss_tokens, loss_scale
 from .calls import Stuck, UserCalls, WorkerDied
 from .collate_extras import SampleError
 from .comm import MetadataExchange
-from .faults import PeerError, PeerStopped, decode_detail, encode_detail, sample_of, trainer_failed
+from ..errors import PeerError, PeerStopped, decode_detail, encode_detail, sample_of, trainer_failed
 from .stream_check import StreamCheck
-from .step_info import STEP_INFO_KEY, StepInfo
+from ..step_info import STEP_INFO_KEY, StepInfo
 
 if TYPE_CHECKING:  # balancing pulls in evenflow.balance; only balance=True loaders need it
     from .balancing import BalancedRound, StepRebalancer

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..balance.dispatch import exchange_packed, pack_samples
+from ..exchange.dispatch import exchange_packed, pack_samples
 from ..planning.alignment import AlignmentConfig, Item, RankPlanner, RoundDecision, Slot
 from ..planning.pooled.plan import EpochProgress, GlobalPlanConfig, global_groups, plan_global_round, round_target
 from ..planning.grouping import GroupingConfig

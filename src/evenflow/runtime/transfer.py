@@ -5,7 +5,7 @@ NOTE [ Moved samples ]
     a torch tensor pickles its whole storage: a 220-token view ``corpus[a:b]`` of a pre-tokenized 21 MB corpus
     pickles 21 MB. So a sample is pickled with every plain CPU tensor replaced by a reference (pickle's
     ``persistent_id`` hook, the mechanism ``torch.save`` itself uses), and the tensors travel beside it through
-    :func:`evenflow.balance.dispatch.pack_samples` as (dtype, shape, their own bytes): a view of 220 int64
+    :func:`evenflow.exchange.dispatch.pack_samples` as (dtype, shape, their own bytes): a view of 220 int64
     costs 1,760 bytes plus its share of a small header, and arrives as a compact tensor of its own.
 
     What is still pickled is the sample's structure: keys, numbers, strings, numpy arrays (which pickle only
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planning.alignment import Item
-from .faults import sample_of
+from ..errors import sample_of
 
 __all__ = ["pack", "peek", "unpack", "Arrival", "receive_failure", "Moves"]
 
@@ -101,7 +101,7 @@ class Moves:
         self.max_round_seconds = max(self.max_round_seconds, seconds)
 
     def count(self, chunks: list[torch.Tensor], rank: int, packed: list[dict[str, torch.Tensor]]) -> None:
-        """Count one all-to-all: ``chunks`` as :func:`evenflow.balance.dispatch.pack_samples` built them."""
+        """Count one all-to-all: ``chunks`` as :func:`evenflow.exchange.dispatch.pack_samples` built them."""
         self.samples += len(packed)
         self.bytes += sum(c.numel() for d, c in enumerate(chunks) if d != rank)
         self.tensor_bytes += sum(t.numel() * t.element_size() for p in packed for k, t in p.items()
@@ -109,7 +109,7 @@ class Moves:
 
 
 def pack(item: Item, sample: object) -> dict[str, torch.Tensor]:
-    """The sample as :func:`evenflow.balance.dispatch.pack_samples` sends it. Raises what pickling raises."""
+    """The sample as :func:`evenflow.exchange.dispatch.pack_samples` sends it. Raises what pickling raises."""
     buf, tensors = io.BytesIO(), []
     _Pickler(buf, tensors).dump((item.key, dict(item.extra), sample))
     words = _key_words(item.key) or []

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
-from ..faults import sample_of
+from ...errors import sample_of
 from ..source import Streams
 from ..stream_check import StreamWindow
 

@@ -29,12 +29,12 @@ from ...planning.timecost import TimeCost
 from ..collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
 from ..comm import resolve_topology
 from ..epoch_plan import PlannedLengths
-from ..faults import sample_of
+from ...errors import sample_of
 from ..planning import PlanningChoice, setup_planning
 from ..resume import key_order
 from ..shard_check import ContentPrint, content_print
 from ..source import StreamOptions, Streams, shard_indices
-from ..step_info import StepInfo, UsageCheck, UsageTracker
+from ...step_info import StepInfo, UsageCheck, UsageTracker
 from ..stream_check import StreamCheck, StreamWindow, window_size
 from ..teardown import close_at_exit, forget_at_exit
 from ..transfer import Moves
@@ -63,7 +63,7 @@ class DynamicBatchLoader:
     loss; ``state_dict``/``load_state_dict`` resume without loss or repetition (on another number of ranks
     too, from the list of every rank's state: NOTE [ Re-dealing a resumed epoch ]); errors on any rank end the
     epoch on every rank within one round (peers raise :class:`evenflow.PeerError`; a rank that leaves its
-    loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in faults.py). Use
+    loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in evenflow/errors.py). Use
     ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an error.
 
     Constructing a loader is a collective when ``torch.distributed`` is initialized and no
@@ -163,7 +163,7 @@ class DynamicBatchLoader:
     - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window (and the
       default policy orders a round's steps for it: NOTE [ Round order ]).
     - ``loss_tokens``: :class:`~evenflow.LossTokenRule` -- which labels count as supervised (shift, ignore index).
-    - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.runtime.step_info.StepInfoMisuse` a few
+    - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.errors.StepInfoMisuse` a few
       fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
       ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).
 

@@ -1,4 +1,4 @@
-"""The multipack sampler's allocator, reproduced for benchmarks/bench_packing.py (not part of evenflow).
+"""The multipack sampler's allocator, reproduced for benchmarks/planning/bench_packing.py (not part of evenflow).
 
 Source: ``multipack_sampler.py`` of https://github.com/imoneoi/multipack_sampler (MIT licence, Copyright (c) 2023
 One), the allocator Axolotl's multipack sampler derives from. It is not installed here, so its three functions are

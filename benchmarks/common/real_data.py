@@ -31,8 +31,8 @@ _SHARED = {"alpaca": "llamafactory_alpaca_en_demo.json", "glaive": "llamafactory
 
 
 def shared_dir() -> Path | None:
-    """``../shared/data`` relative to the repository root (this file's parent's parent), if present."""
-    p = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    """``../shared/data`` relative to the repository root (``parents[2]`` of this file), if present."""
+    p = Path(__file__).resolve().parents[2].parent / "shared" / "data"
     return p if p.is_dir() else None
 
 

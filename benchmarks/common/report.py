@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim_setup import ABLATION_SET, BUDGET, CUTOFF, MAIN_ORDER, OURS, PAPER_SORTED, PAPER_SPEEDUP, WORLD
+from common.sim_setup import ABLATION_SET, BUDGET, CUTOFF, MAIN_ORDER, OURS, PAPER_SORTED, PAPER_SPEEDUP, WORLD
 
 __all__ = ["sim_markdown", "table"]
 

@@ -1,0 +1,1 @@
+"""Failure benchmarks: the soak, elastic resume sweep, fault table, and exit-time reproducers."""

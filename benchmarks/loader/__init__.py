@@ -1,0 +1,1 @@
+"""Loader benchmarks: batch quality and data-path overhead, metadata exchange, samples moved, the shard check."""

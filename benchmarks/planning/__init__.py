@@ -1,0 +1,1 @@
+"""Planning benchmarks: planner speed, simulated clusters, packing, step composition, and their experiments."""
