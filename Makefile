@@ -21,7 +21,8 @@ $(VENV)/.installed-demo: $(VENV)/.installed-test
 
 # Two pytest-xdist workers, a test file each at a time (a file's tests share its module-level worlds): the
 # suite is CPU-bound, and on 2 cores this takes it from ~24 to ~15 min.
-test: $(VENV)/.installed-demo
+# The docs extra too: tests/test_docs.py builds the site once and checks what a reader sees.
+test: $(VENV)/.installed-demo $(VENV)/.installed-docs
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10
 
 demo: $(VENV)/.installed-demo

@@ -27,6 +27,16 @@ still leaves what it measured; the LAST line is ``{"section": "summary", ...}``.
 6. ``flash_attn`` -- packed (padding-free) FlashAttention-2 against sdpa on the same Qwen2.5-VL-shaped text
    model and the same packed row (position ids ``[4, 1, N]``, no attention mask): logits and every gradient,
    and both against each example run alone. Skipped (not failed) where ``flash_attn`` is not installed.
+7. ``context_parallel`` -- torch's ``context_parallel`` (ring attention, head-tail load balancer) on the loader's
+   shard-ready batches (``mesh=``, ``cp_dim="cp"``, one odd-length document per row, padded to 2 x cp) against
+   the unsharded forward: the loss and every gradient summed over the CP ranks, and torch's shard against
+   ``evenflow.shard_batch``. Two ranks (NCCL on two GPUs, gloo sharing one). Skipped (not failed) without CUDA.
+
+8. ``vlm_prefetch`` -- the balanced step of the Qwen2.5-VL-shaped model through the loader, with its metadata
+   exchange and plan inline or made on the loader's collation thread (``VLMConfig(prefetch=True)``): per
+   iteration wall time (step, backward, the wait for the next batch) of each arm, ABBA-interleaved on the same
+   model and epoch, and their losses equal. One rank per GPU (one GPU: one rank, nothing moves, what the
+   background hides is the step's own examples, metadata and plan).
 
 ``--cpu-reduced`` runs the same code on CPU (gloo, fp32, a 2-layer model, 2 ranks, small shapes, a tiny
 Qwen2.5-VL) so that the suite keeps it from rotting; its numbers mean nothing.
@@ -35,6 +45,7 @@ Qwen2.5-VL) so that the suite keeps it from rotting; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -64,7 +75,8 @@ GPU_SHAPES = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384), 
               (16, 256), (4, 4096), (2, 8192)]
 CPU_SHAPES = [(1, 32), (1, 64), (1, 128), (2, 64), (4, 32)]
 # Share of the total budget each section may use before it stops starting new measurements.
-SECTION_SHARE = {"llm_step": 0.3, "loader": 0.15, "orchestrator": 0.2, "vlm_phases": 0.25, "flash_attn": 0.1}
+SECTION_SHARE = {"llm_step": 0.3, "loader": 0.15, "orchestrator": 0.2, "vlm_phases": 0.25, "flash_attn": 0.1,
+                 "context_parallel": 0.1, "vlm_prefetch": 0.15}
 VLM_SIZES = {"gpu": {"vision": (1024, 2304, 4096, 9216, 16384), "llm": (1024, 2048, 4096, 8192, 16384)},
              "cpu": {"vision": (16, 64, 144, 256), "llm": (32, 64, 128, 256)}}
 """Patch rows of one frame (square grids: 32^2 ... 128^2 patches, 0.2 to 3.2 MP) and tokens of one example."""
@@ -377,7 +389,7 @@ def _orch_rank(rank: int, world: int, mode: Mode) -> dict:
             "step_ms": float(np.median(timings["step_ms"])), "a2a": a2a}
 
 
-def _orch_child(rank: int, world: int, tmp: str, mode: Mode) -> None:
+def _orch_child(rank: int, world: int, tmp: str, mode: Mode, body: str = "orchestrator") -> None:
     import torch.distributed as dist
 
     out = os.path.join(tmp, f"rank{rank}.json")
@@ -386,7 +398,7 @@ def _orch_child(rank: int, world: int, tmp: str, mode: Mode) -> None:
         dist.init_process_group(mode.backend, init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         try:
-            result = {"ok": True, **_orch_rank(rank, world, mode)}
+            result = {"ok": True, **RANK_BODIES[body](rank, world, mode)}
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -397,10 +409,11 @@ def _orch_child(rank: int, world: int, tmp: str, mode: Mode) -> None:
     os._exit(0)
 
 
-def section_orchestrator(mode: Mode, deadline: float) -> dict:
+def _run_ranks(mode: Mode, deadline: float, body: str) -> list[dict]:
+    """``RANK_BODIES[body]`` on ``mode.world`` spawned ranks (file rendezvous), each rank's JSON result."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        procs = [ctx.Process(target=_orch_child, args=(r, mode.world, tmp, mode)) for r in range(mode.world)]
+        procs = [ctx.Process(target=_orch_child, args=(r, mode.world, tmp, mode, body)) for r in range(mode.world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -413,6 +426,11 @@ def section_orchestrator(mode: Mode, deadline: float) -> dict:
         for r in range(mode.world):
             path = Path(tmp, f"rank{r}.json")
             ranks.append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result"})
+    return ranks
+
+
+def section_orchestrator(mode: Mode, deadline: float) -> dict:
+    ranks = _run_ranks(mode, deadline, "orchestrator")
     ok = all(r["ok"] for r in ranks)
     out = {"world": mode.world, "backend": mode.backend, "a2a_is_noop": mode.world == 1, "ranks": ranks}
     if ok:
@@ -594,10 +612,204 @@ FLASH_TOL = 2e-2
 other -- is off by tens of percent)."""
 
 
+# -- 7. torch context_parallel with the loader's batches ----------------------------------------------------------
+
+CP_LENGTHS = {"gpu": (4093, 1021, 2047, 3001), "cpu": (29, 13, 7, 31)}
+"""One document per batch (torch's ring attention masks causally over the whole row: no packing); odd lengths,
+so the loader pads each row to a multiple of 2 x cp."""
+CP_TOL = 1e-4
+"""fp32, relative: the sharded and the unsharded forward sum the same terms in other orders."""
+
+
+def context_parallel_available(mode: Mode) -> str | None:
+    """Why torch's ``context_parallel`` cannot run here, or None (it needs CUDA attention kernels)."""
+    if mode.device != "cuda":
+        return "no CUDA device"
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return "torch without context_parallel"
+    return None
+
+
+class _Documents(torch.utils.data.Dataset):
+    def __init__(self, lengths, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i]}
+
+
+def _cp_rank(rank: int, world: int, mode: Mode) -> dict:
+    """Each loader batch: the unsharded forward+backward, then the same under ``context_parallel`` over a cp mesh
+    of every rank (the loader's mesh); losses and gradients summed over the CP ranks against the unsharded ones,
+    and torch's head-tail shard against ``evenflow.shard_batch``."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import evenflow
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh("cuda", (1, world), mesh_dim_names=("dp", "cp"))
+    model = build_qwen3(mode).float()
+    lengths = CP_LENGTHS["gpu"]
+    loader = evenflow.DynamicBatchLoader(_Documents(lengths, model.config.vocab_size), cost="padded", max_samples=1,
+                                         token_budget=-(-max(lengths) // (2 * world)) * 2 * world, shuffle=False,
+                                         mesh=mesh, dp_dims=("dp",), cp_dim="cp")
+    group, rows = mesh["cp"].get_group(), []
+    for batch in loader:
+        evenflow.pop_step_info(batch)
+        ids, pos, shift = (batch[k].cuda() for k in ("input_ids", "position_ids", "shift_labels"))
+
+        def step(i, p, s):
+            model.zero_grad(set_to_none=True)
+            # An all-ones mask keeps HF off its packed-row detection (a shard's positions jump at the head-tail
+            # seam) and on the causal kernel path context_parallel shards: the mask itself is never built.
+            logits = model(input_ids=i, position_ids=p, attention_mask=torch.ones_like(i), use_cache=False).logits
+            logits = logits.float()
+            loss = F.cross_entropy(logits.flatten(0, 1), s.flatten(), reduction="sum")
+            loss.backward()
+            return loss.detach(), {n: q.grad.detach().clone() for n, q in model.named_parameters()
+                                   if q.grad is not None}
+
+        ref_loss, ref_grads = step(ids, pos, shift)
+        expected = evenflow.shard_batch({"input_ids": ids}, loader.mesh)["input_ids"]
+        bufs = [ids.clone(), pos.clone(), shift.clone()]
+        with context_parallel(mesh["cp"], buffers=bufs, buffer_seq_dims=[1, 1, 1]):
+            same_split = bool(torch.equal(bufs[0], expected))
+            loss, grads = step(*bufs)
+        dist.all_reduce(loss, group=group)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        rel = {n: float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()}
+        rows.append({"tokens": int(ids.shape[1]), "same_split_as_shard_batch": same_split,
+                     "loss_rel_err": float((loss - ref_loss).abs() / ref_loss.abs()),
+                     "grad_rel_err_max": max(rel.values())})
+    return {"batches": rows}
+
+
+def section_context_parallel(mode: Mode, deadline: float) -> dict:
+    """torch ``context_parallel`` (ring attention, head-tail balanced) on the loader's shard-ready batches against
+    the unsharded forward. Two ranks: NCCL on two GPUs; on one GPU both ranks share it over gloo."""
+    why = context_parallel_available(mode)
+    if why is not None:
+        return {"skipped": why}
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    ranks = _run_ranks(dataclasses.replace(mode, world=2, backend=backend), deadline, "context_parallel")
+    out = {"world": 2, "backend": backend, "ranks": ranks}
+    if all(r["ok"] for r in ranks):
+        rows = ranks[0]["batches"]
+        out["equal"] = all(r["same_split_as_shard_batch"] and r["loss_rel_err"] <= CP_TOL
+                           and r["grad_rel_err_max"] <= CP_TOL for r in rows)
+    else:
+        out["equal"] = False
+    return out
+
+
+# -- 8. the balanced step with its plan made in the loader's thread --------------------------------------------
+
+PREFETCH_SHAPES = {"gpu": dict(samples=64, text=(256, 1024), side=(16, 48), budget=4096, steps=6, rounds=2),
+                   "cpu": dict(samples=16, text=(8, 24), side=(2, 4), budget=64, steps=3, rounds=1)}
+"""Per rank: samples (one image each, grids ``side`` x ``side`` patches of 14 px, text tokens in ``text``), the
+loader's token budget, steps timed per arm and round, ABBA rounds."""
+
+
+def _prefetch_samples(world: int, mode: Mode) -> list[dict]:
+    """One random image and some text per sample (Qwen2.5-VL's layout, ids 1000-1003 as built); the same list
+    on every rank (the loader shards it)."""
+    shape = PREFETCH_SHAPES["cpu" if mode.reduced else "gpu"]
+    gen = torch.Generator().manual_seed(10)
+    out = []
+    for _ in range(shape["samples"] * world):
+        h, w = (2 * int(torch.randint(shape["side"][0] // 2, shape["side"][1] // 2 + 1, (1,), generator=gen))
+                for _ in range(2))
+        text = int(torch.randint(*shape["text"], (1,), generator=gen))
+        ids = torch.cat([torch.tensor([1002]), torch.full((h * w // 4,), 1000), torch.tensor([1003]),
+                         torch.randint(1, 900, (text,), generator=gen)])
+        labels = torch.where(ids >= 1000, -100, ids)
+        out.append({"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == 1000).long(),
+                    "pixel_values": torch.randn(h * w, 1176, generator=gen),
+                    "image_grid_thw": torch.tensor([[1, h, w]])})
+    return out
+
+
+def _prefetch_rank(rank: int, world: int, mode: Mode) -> dict:
+    """Inline and prefetched arms, ABBA, on one model and the same epoch: per-iteration wall time (the step,
+    its backward and the wait for the next batch) and the losses (no optimizer step: the arms see the same
+    parameters, so their losses must be equal)."""
+    import torch.distributed as dist
+
+    import evenflow
+    from evenflow.vlm import BalancedVLM, VLMConfig
+
+    device = torch.device(mode.device, rank) if mode.device == "cuda" else torch.device("cpu")
+    if mode.device == "cuda":
+        torch.cuda.set_device(device)
+    shape = PREFETCH_SHAPES["cpu" if mode.reduced else "gpu"]
+    model = build_qwen2_5_vl(dataclasses.replace(mode, device=str(device)))
+    data = _prefetch_samples(world, mode)
+    gloo, group = dist.new_group(backend="gloo"), dist.new_group(backend=mode.backend)
+    vlms = {arm: BalancedVLM(model, group=group, config=VLMConfig(prefetch=arm == "prefetched",
+                                                                  gradient_sync="unchecked"))
+            for arm in ("inline", "prefetched")}
+    times: dict = {"inline": [], "prefetched": []}
+    losses: dict = {}
+    epoch = 0
+    for arm in ["inline", "prefetched", "prefetched", "inline"] * shape["rounds"]:
+        loader = evenflow.DynamicBatchLoader(data, token_budget=shape["budget"], cost="summed", planning="local",
+                                             shuffle=False, buffer_size=16, process_group=gloo)
+        if arm == "prefetched":
+            vlms[arm].prefetch_from(loader)
+        loader.set_epoch(epoch)
+        seen, last = [], None
+        for i, batch in enumerate(loader):
+            now = time.perf_counter()  # one iteration: from one batch's arrival to the next one's
+            if i > 1:  # the first step warms up
+                times[arm].append(now - last)
+            last = now
+            info = evenflow.pop_step_info(batch)
+            step = vlms[arm](batch, info)
+            step.loss.backward()
+            model.zero_grad(set_to_none=True)
+            _sync(mode.device)
+            seen.append(step.loss_sum)
+            if i + 1 >= shape["steps"] + 2:
+                break
+        loader.close()
+        losses.setdefault(arm, seen)
+    ms = {a: 1e3 * np.asarray(v) for a, v in times.items()}
+    return {"iteration_ms": {a: {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
+                                 "n": int(v.size)} for a, v in ms.items()},
+            "losses_equal": losses["inline"] == losses["prefetched"], "steps": len(losses["inline"])}
+
+
+def section_vlm_prefetch(mode: Mode, deadline: float) -> dict:
+    """The balanced step of a Qwen2.5-VL-shaped model with its metadata exchange and plan inline or made on the
+    loader's collation thread (``VLMConfig(prefetch=True)``): iteration times side by side, losses equal."""
+    ranks = _run_ranks(mode, deadline, "vlm_prefetch")
+    out = {"world": mode.world, "ranks": ranks, "equal": all(r["ok"] and r["losses_equal"] for r in ranks)}
+    if all(r["ok"] for r in ranks):
+        med = {a: float(np.median([r["iteration_ms"][a]["median"] for r in ranks])) for a in ("inline", "prefetched")}
+        out["median_iteration_ms"] = med
+        out["prefetched_over_inline"] = med["prefetched"] / med["inline"]
+    return out
+
+
+RANK_BODIES = {"orchestrator": _orch_rank, "context_parallel": _cp_rank, "vlm_prefetch": _prefetch_rank}
+"""What a spawned rank runs, by section (``_orch_child``)."""
+
+
 # -- driver ------------------------------------------------------------------------------------------------------
 
 SECTIONS = {"llm_step": section_llm_step, "loader": section_loader, "orchestrator": section_orchestrator,
-            "vlm_phases": section_vlm_phases, "flash_attn": section_flash_attn}
+            "vlm_phases": section_vlm_phases, "flash_attn": section_flash_attn,
+            "context_parallel": section_context_parallel, "vlm_prefetch": section_vlm_prefetch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,12 +28,14 @@ from common import report  # noqa: E402
 from loader import bench_gloo, bench_loader, bench_moves  # noqa: E402
 from planning import bench_composition, bench_packing, bench_sim  # noqa: E402
 from training import bench_train  # noqa: E402
-from vlm import bench_mllm, bench_vlm, bench_vlm_sim  # noqa: E402
+from vlm import bench_mllm, bench_trl_vlm, bench_vlm, bench_vlm_sim  # noqa: E402
 
 RESULTS = HERE / "results"
 VLM_STEPS = 12
 """Measured steps of the stock-VLM run in ``make bench`` (``bench_vlm.py`` defaults to 16): keeps issue 37's
 additions under 8 minutes on 2 cores."""
+TRL_VLM = dict(rounds=6, samples=24)
+"""TRL's VLM SFTTrainer against evenflow's TRL path: 6 ABBA rounds of one epoch per arm, under 5 minutes."""
 
 
 def hardware() -> str:
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                  "sim": section("vlm_sim", "stock VLMs simulated at 8 / 64 / 2,560 ranks",
                                 lambda: bench_vlm_sim.run(quick=args.quick))}
         vlm = {k: v for k, v in parts.items() if v is not None}
+    trl_vlm = section("trl_vlm", "TRL's VLM SFTTrainer against evenflow's TRL path, 2 gloo ranks, real photos",
+                      lambda: bench_trl_vlm.run(quick=args.quick, **TRL_VLM), not args.skip_vlm)
     latency = section("planner_latency", "planner latency: plan_balance (64 / 2,560 ranks x 32) and the global round "
                       "plan (64 x 4,096)", lambda: planner_latency(args.quick))
     timings["total"] = time.perf_counter() - t0
@@ -351,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     md += ["", "## Stock VLMs: audio, splitting, fitted costs, at scale (issue 37)", ""]
     vlm_parts = [m.markdown(vlm[k]) for k, m in (("real", bench_vlm), ("sim", bench_vlm_sim)) if k in (vlm or {})]
     md.append("\n\n".join(vlm_parts) or "Not run (or failed; see the log).")
+    md += ["", "## A stock VLM in TRL's SFTTrainer: TRL's padded path against evenflow's", ""]
+    md.append(bench_trl_vlm.markdown(trl_vlm) if trl_vlm else "Not run (or failed; see the log).")
     md += ["", "## Planner latency (issue 12, item 4)", ""]
     md.append(latency_markdown(latency) if latency else "Not run (or failed; see the log).")
     md += ["", "## Not covered", "",
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(RESULTS / f"{stem}.json", "w") as f:
         json.dump({"sim": {k: v for k, v in sim.items() if not k.startswith("_")}, "gloo": gloo, "train": train,
                    "mllm": mllm, "real_4ranks": planning, "composition": composition, "moves": moves,
-                   "packing": packing, "vlm": vlm, "timings_s": timings}, f,
+                   "packing": packing, "vlm": vlm, "trl_vlm": trl_vlm, "timings_s": timings}, f,
                   default=str)
     _log(f"wrote {path} in {timings['total'] / 60:.1f} min")
     line = dict(sim["json"])
@@ -394,6 +400,13 @@ def main(argv: list[str] | None = None) -> None:
         line["vlm_sim_2560_split"] = {p: vlm["sim"]["worlds"]["2560"]["split"][p]["imbalance"]
                                       for p in bench_vlm_sim.PHASES}
         line["vlm_sim_plan_routing_ms"] = vlm["sim"]["timing_2560"]["default"]["cpu"]["median_ms"]
+        ex = vlm["sim"]["exchanges"]  # the balanced step priced with its exchanges (evenflow.sim.exchange_cost)
+        arms = bench_vlm_sim.EXCHANGE_ARMS
+        line["vlm_sim_step_ms"] = {shape: {w: {arm: round(1e3 * a[arm]["step_s"], 1) for arm in arms}
+                                           for w, a in worlds.items()} for shape, worlds in ex["shapes"].items()}
+        line["vlm_sim_megatron_bridge"] = ex["megatron_bridge"]
+    if trl_vlm:
+        line["trl_vlm_packed_over_trl_padded"] = trl_vlm["packed_over_trl_median"]
     if moves:
         line["moves_global_kib_per_step"] = {k: round(v["global"]["moved_bytes_per_step"] / 1024, 1)
                                              for k, v in moves["kinds"].items()}

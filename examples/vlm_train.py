@@ -184,28 +184,23 @@ def train(dataset, *, entry: str = "ddp", family: str = "qwen2_vl", vocab: Vocab
 def train_trainer(dataset, out_dir: str, *, family: str = "qwen2_vl", vocab: VocabRemap | None = None, steps: int = 3,
                   lr: float = 0.1, layout: str = "packed", checkpointing: bool = False, token_budget: int = 1024,
                   patch_budget: int = PATCH_BUDGET) -> dict:
-    """``DynamicBatchTrainer`` (HF Trainer) with the balanced step in ``compute_loss``; same return as train."""
+    """``BalancedVLMTrainer`` (HF Trainer, the balanced step as its loss); same return as train."""
     from transformers import TrainingArguments
 
-    from evenflow.integrations.hf import DynamicBatchTrainer
-    from evenflow.step_info import STEP_INFO_KEY
+    from evenflow.integrations.vlm_trainer import BalancedVLMTrainer
 
-    class BalancedVLMTrainer(DynamicBatchTrainer):
-        """compute_loss runs the balanced step; the loss comes back already scaled (loss_is_scaled_for_ga)."""
+    class RecordingTrainer(BalancedVLMTrainer):
+        """Each step's sample ids, global loss and imbalance, for the records this script prints."""
 
-        def __init__(self, *args, vlm_config: VLMConfig, **kwargs) -> None:
+        def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.vlm = BalancedVLM(self.model, group=dist.new_group(backend="gloo"), config=vlm_config)
             self.records, self.imbalance = [], _Imbalance()
 
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            info = inputs[STEP_INFO_KEY]
-            if model.training:
-                self.evenflow_metrics.update(info)
-            step = self.vlm({k: v for k, v in inputs.items() if k != STEP_INFO_KEY}, info, model=model)
+        def balanced_step(self, model, inputs, info):
+            step = super().balanced_step(model, inputs, info)
             self.imbalance.add(step)
-            self.records.append(_record(step, info, _global_loss(step)))
-            return (step.loss, None) if return_outputs else step.loss
+            self.records.append(_record(step, info, torch.tensor([step.window_loss])))
+            return step
 
     model = tiny_vlm(family, vocab=vocab)
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, learning_rate=lr, optim="sgd",
@@ -214,9 +209,8 @@ def train_trainer(dataset, out_dir: str, *, family: str = "qwen2_vl", vocab: Voc
                              gradient_checkpointing=checkpointing,
                              gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
                              dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    trainer = BalancedVLMTrainer(model=model, args=args, train_dataset=dataset, token_budget=token_budget,
-                                 extra_budgets={"num_patches": patch_budget}, buffer_size=64,
-                                 vlm_config=VLMConfig(layout=layout, max_encoder_rows=patch_budget))
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset, token_budget=token_budget,
+                               max_encoder_rows=patch_budget, buffer_size=64, vlm_config=VLMConfig(layout=layout))
     trainer.train()
     return dict(records=trainer.records, imbalance=trainer.imbalance.summary(), params=_params(model))
 

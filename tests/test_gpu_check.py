@@ -38,12 +38,13 @@ def test_every_section_ran_and_the_summary_is_last(run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert stdout == lines  # the same lines on stdout and in --out, in order
     assert [line["section"] for line in lines] == ["env", "llm_step", "loader", "orchestrator", "vlm_phases",
-                                                   "flash_attn", "summary"]
+                                                   "flash_attn", "context_parallel", "vlm_prefetch", "summary"]
     summary = lines[-1]
     assert summary["final"] is True and summary["mode"] == "cpu-reduced"
     # Without CUDA the flash-attention check skips itself (not a failure: the exit status is still 0).
     assert summary["sections"] == {"llm_step": "ok", "loader": "ok", "orchestrator": "ok", "vlm_phases": "ok",
-                                   "flash_attn": "skipped (no CUDA device)"}
+                                   "flash_attn": "skipped (no CUDA device)",
+                                   "context_parallel": "skipped (no CUDA device)", "vlm_prefetch": "ok"}
     assert summary["total_s"] <= summary["budget_s"]
 
 
@@ -69,6 +70,10 @@ def test_sections_carry_what_a_gpu_run_needs(run):
         assert set(vlm["fit"][phase]) == {"gamma", "alpha", "beta"}
     assert not vlm["skipped"]
     assert by["flash_attn"] == {**by["flash_attn"], "ok": True, "skipped": "no CUDA device"}
+    assert by["context_parallel"] == {**by["context_parallel"], "ok": True, "skipped": "no CUDA device"}
+    pre = by["vlm_prefetch"]  # inline against prefetched plans: equal losses, both arms timed
+    assert pre["equal"] is True and pre["world"] == 2 and all(r["ok"] for r in pre["ranks"])
+    assert all(r["iteration_ms"][a]["n"] >= 1 for r in pre["ranks"] for a in ("inline", "prefetched"))
 
 
 def test_budget_cuts_sections_short_but_still_ends_with_the_summary(tmp_path):

@@ -299,12 +299,13 @@ def test_the_multimodal_collate_names_the_key_the_sample_and_the_fix():
 def test_set_epoch_discards_only_what_it_says():
     from evenflow.runtime.loader.state import discarded
 
-    mid = dict(epoch=2, step=3, finished=False, consumed=[1, 2], next_carry=[])
+    mid = dict(epoch=2, step=3, finished=False, consumed=[1, 2], next_carry=[], join=True)
     assert discarded(mid, 2) is None and "rest of epoch 2" in discarded(mid, 3) and discarded(mid, 1)
     done = dict(mid, finished=True)
     assert discarded(done, 3) is None and discarded(done, 7) is None  # join mode: nothing carried
-    carry = dict(done, next_carry=[(2, 5)])
-    assert discarded(carry, 3) is None and "1 samples that epoch 2 carries" in discarded(carry, 4)
+    carry = dict(done, next_carry=[(2, 5)], join=False)
+    assert discarded(carry, 3) is None and "this rank carries 1" in discarded(carry, 4)
+    assert "a peer's state may carry" in discarded(dict(carry, next_carry=[]), 4)  # refused on every rank alike
 
 
 def test_what_is_not_a_dataset_is_named():

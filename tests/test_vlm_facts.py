@@ -274,7 +274,7 @@ def test_the_row_cap_keeps_every_rank_within_its_budget():
 
     assert held(None).max() > 200
     assert held(200).max() <= 200
-    with pytest.raises(ValueError, match=r"rank 0 holds 192 input rows.*max_rows_per_rank=100"):
+    with pytest.raises(ValueError, match=r"rank 0 holds 192 input rows.*max_encoder_rows=100"):
         held(100)
 
 

@@ -154,7 +154,7 @@ def _plan_with_cost(rank: int, group, per, *, bump: bool) -> None:
     from evenflow.vlm import BalancedVLM, VLMConfig
 
     vlm = BalancedVLM(sc.tiny_model("qwen2_vl", torch.float32), group=group,
-                      config=VLMConfig(time_cost=_cost(bump)))
+                      config=VLMConfig(time_cost=_cost(bump), gradient_sync="external"))
     vlm(sc._collate(per[rank], "packed"))
 
 
@@ -162,10 +162,11 @@ def _state_round_trip(group) -> dict:
     from evenflow.vlm import BalancedVLM, VLMConfig, cost_from_state
 
     model = sc.tiny_model("qwen2_vl", torch.float32)
-    state = BalancedVLM(model, group=group, config=VLMConfig(time_cost=_cost(False))).state_dict()
-    resumed = BalancedVLM(model, group=group, config=VLMConfig(time_cost=cost_from_state(state["time_cost"])))
+    state = BalancedVLM(model, group=group, config=VLMConfig(time_cost=_cost(False), **sc.EXTERNAL)).state_dict()
+    resumed = BalancedVLM(model, group=group, config=VLMConfig(time_cost=cost_from_state(state["time_cost"]),
+                                                               **sc.EXTERNAL))
     resumed.load_state_dict(state)
-    other = BalancedVLM(model, group=group, config=VLMConfig(time_cost=_cost(True)))
+    other = BalancedVLM(model, group=group, config=VLMConfig(time_cost=_cost(True), **sc.EXTERNAL))
     return dict(refused=sc.expect_failure(other.load_state_dict, state),
                 same_key=resumed.orchestrator.plan_key == state["plan_key"])
 
@@ -272,7 +273,7 @@ def test_the_encoder_row_cap_holds(world):
 
 def test_an_infeasible_cap_is_refused_on_every_rank(world):
     res = _ok(world, "cap_infeasible")
-    assert all(r["type"] == "ValueError" and "max_rows_per_rank=100" in r["message"] for r in res), res
+    assert all(r["type"] == "ValueError" and "max_encoder_rows=100" in r["message"] for r in res), res
 
 
 def test_an_encoder_failure_reaches_every_rank_as_peer_error(world):
@@ -336,13 +337,14 @@ def test_the_docs_omni_block_runs_on_three_ranks(world):
 
 
 def test_collectives_per_step(world):
-    """Forward: one metadata all_gather, one all-to-all for text + positions, one per encoder phase in, one out;
-    backward: exactly one. Nothing on any other group (gradient sync is the caller's)."""
+    """Forward: one metadata all_gather, one all-to-all for text + positions, one per encoder phase in, one out,
+    one all_reduce of the summed loss (the logged mean); backward: exactly one. Nothing on any other group
+    (gradient sync is the caller's)."""
     for r in _ok(world, "collectives"):
-        assert r["forward"] == {"all_gather": 1, "all_to_all_single": 3}, r
+        assert r["forward"] == {"all_gather": 1, "all_to_all_single": 3, "all_reduce": 1}, r
         assert r["backward"] == {"all_to_all_single": 1}, r
     for r in _ok(world, "collectives_overflow"):  # metadata past metadata_words: a second all_gather
-        assert r["forward"] == {"all_gather": 2, "all_to_all_single": 3}, r
+        assert r["forward"] == {"all_gather": 2, "all_to_all_single": 3, "all_reduce": 1}, r
         assert r["backward"] == {"all_to_all_single": 1}, r
 
 

@@ -264,6 +264,10 @@ class float64_throughout:
 
 
 # -- scenarios run on every rank of a gloo world (tests/test_vlm_gloo.py) ------------------------------------
+EXTERNAL = {"gradient_sync": "external"}
+"""The scenarios sum gradients themselves (``_summed_grads``: a custom all-reduce), not through a wrapper."""
+
+
 def _collate(samples: list[dict], layout: str) -> dict:
     from evenflow import FlatCollate, PadCollate
 
@@ -298,7 +302,7 @@ def run_exact(rank: int, world: int, group, *, family: str, layout: str, dtype: 
     with float64_throughout() if lift else contextlib.nullcontext():
         model = tiny_model(family, dtype)
         ref_loss, ref = reference(model, trained) if with_reference else (float("nan"), {})
-        config = VLMConfig(layout=layout, **(config_kwargs or {}))
+        config = VLMConfig(layout=layout, **{**EXTERNAL, **(config_kwargs or {})})
         vlm = BalancedVLM(model, group=group, config=config, adapter=adapter_cls)
         step = vlm(_collate(per_rank[rank], layout) if per_rank[rank] else None, infos[rank] if infos else None)
         step.loss.backward()
@@ -419,7 +423,7 @@ def count_collectives(rank: int, world: int, group, *, per_rank: list[list[dict]
     from evenflow.vlm import BalancedVLM, VLMConfig
 
     model = tiny_model("qwen2_vl", torch.float32)
-    vlm = BalancedVLM(model, group=group, config=VLMConfig(metadata_words=metadata_words))
+    vlm = BalancedVLM(model, group=group, config=VLMConfig(metadata_words=metadata_words, **EXTERNAL))
     batch = _collate(per_rank[rank], "packed")
     with CollectiveCounter(group) as counter:
         step = vlm(batch)

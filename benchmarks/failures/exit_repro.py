@@ -17,6 +17,10 @@ launcher reports exit code -6). Scenarios (each a job that trains and ends witho
   on that thread -- after finalization began, as a loaded machine does now and then.
 * ``hf-last-gather`` -- ``DynamicBatchTrainer`` (transformers) on a tiny model, same slowed workers: the job's
   last collective is the Trainer's own (``store_flos``), on the default group.
+* ``user-last-allreduce`` -- one evenflow epoch, then the script's own ``all_reduce`` on the default group is the
+  job's last collective (slowed workers); ``-plain``: the same job with evenflow never imported (a few
+  ``all_reduce`` calls instead of the epoch); ``-destroy``: as the first, with
+  ``evenflow.integrations.destroy_process_groups()`` as the script's last line.
 
 Why each aborts, and what evenflow does about it: NOTE [ Exit-time teardown ] in src/evenflow/runtime/teardown.py.
 Prints one line per run, then one JSON line last.
@@ -37,7 +41,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MAIN = HERE.parents[1]
-SCENARIOS = ("open-epoch", "last-exchange", "hf-last-gather")
+SCENARIOS = ("open-epoch", "last-exchange", "hf-last-gather", "user-last-allreduce", "user-last-allreduce-plain",
+             "user-last-allreduce-destroy")
+USER_LAST = SCENARIOS[3:]
 
 
 # -- the job (one rank) -------------------------------------------------------------------------------------
@@ -68,7 +74,40 @@ def _tokens(n: int):
     return Tokens()
 
 
+def _user_last(scenario: str) -> None:
+    """The script's own all_reduce is its last collective (after an evenflow epoch unless ``-plain``)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if scenario.endswith("-plain"):
+        for i in range(20):
+            dist.all_reduce(torch.ones(64))
+            if i == 0:
+                _slow_gloo_workers()
+    else:
+        import evenflow
+
+        loader = evenflow.DynamicBatchLoader(_tokens(256), token_budget=512, buffer_size=32, num_workers=2,
+                                             timeout=timedelta(seconds=30), worker_timeout=timedelta(seconds=20))
+        for i, batch in enumerate(loader):
+            evenflow.pop_step_info(batch)
+            if i == 0:
+                _slow_gloo_workers()
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the user's own metric: the job's last collective
+    print(f"rank {dist.get_rank()}: trained ({int(total)})", flush=True)
+    if scenario.endswith("-destroy"):
+        from evenflow.integrations import destroy_process_groups
+
+        destroy_process_groups()
+
+
 def job(scenario: str) -> None:
+    if scenario in USER_LAST:
+        return _user_last(scenario)
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -5,7 +5,7 @@
     python benchmarks/failures/soak.py --elastic      # resume at another world size: every W -> W' in 1..4 (issue 20)
 
 Each configuration (seeded) draws: world size 1-5, map-style or iterable data (uneven and empty per-rank
-streams), workers 0-3 under fork/spawn/forkserver, buffer 1-4,096, accumulation 1-4, balance on/off, every
+streams; half the streams dealt to their DataLoader workers unevenly, one worker's share empty), workers 0-3 under fork/spawn/forkserver, buffer 1-4,096, accumulation 1-4, balance on/off, every
 planning policy the loader offers (POLICIES), join or quota mode over 1-3 epochs, padded or summed cost,
 pad_to_multiple_of, oversize policy (with over-budget samples injected), and a resume at a random step.
 It runs the real loader, collation and gloo exchange code; nothing is modelled.
@@ -101,6 +101,11 @@ class Config:
     """Samples are views of one shared corpus tensor (a moved one must travel as its own bytes)."""
     fault: str | None = None
     """One more epoch after the checked ones, with this fault injected (FAULTS); None: no fault epoch."""
+    uneven: bool = False
+    """Iterable: the stream's positions are dealt to the DataLoader workers in blocks of unequal length, the last
+    worker's empty (files over workers), so torch stops workers at different times (at least 2 workers)."""
+    pause_s: float = 0.0
+    """Uneven, fresh: worker 0 pauses this long once per pass, so its siblings are gone for seconds meanwhile."""
 
 
 FAULTS = ("stop_end", "collate_fail", "unpickle", "blocking", "kill_worker", "group_mismatch")
@@ -145,7 +150,36 @@ def draw_config(rng: np.random.Generator, cid: int, *, fresh: bool, scale: float
         fault = "collate_fail"
     if fault in ("stop_end", "group_mismatch", "unpickle") and world == 1:
         fault = None  # nothing to stop, disagree with, or move to
-    return replace(cfg, views=views, fault=fault)
+    cfg = replace(cfg, views=views, fault=fault)
+    if iterable and rng.random() < 0.5:  # uneven worker shards: at least 2 workers, one of them with nothing
+        cfg = replace(cfg, uneven=True, workers=max(workers, 2), context=context or "fork",
+                      pause_s=UNEVEN_PAUSE_S if fresh else 0.0)
+    return cfg
+
+
+UNEVEN_PAUSE_S = 1.5
+"""Longer than the dead-worker watch's grace (evenflow.runtime.calls.DEATH_GRACE_S): an exhausted sibling is
+seen gone while the stream waits (NOTE [ Workers that end early ] in evenflow.runtime.source)."""
+
+
+def worker_positions(n: int, workers: int, uneven: bool) -> list[list[int]]:
+    """The stream positions each DataLoader worker yields: round-robin, or (``uneven``) worker 0 the first two
+    thirds, the middle workers the rest in blocks, the last worker none."""
+    if not uneven or workers < 2:
+        return [list(range(w, n, max(workers, 1))) for w in range(max(workers, 1))]
+    if workers == 2:
+        return [list(range(n)), []]
+    head = n - n // 3
+    middle = [b.tolist() for b in np.array_split(np.arange(head, n), workers - 2)]
+    return [list(range(head)), *middle, []]
+
+
+def read_order(n: int, workers: int, uneven: bool) -> list[int]:
+    """Positions in the order the DataLoader yields them: its workers in turn, an exhausted one skipped."""
+    lists, out = worker_positions(n, workers, uneven), []
+    for k in range(max((len(x) for x in lists), default=0)):
+        out.extend(x[k] for x in lists if k < len(x))
+    return out
 
 
 # -- data ----------------------------------------------------------------------------------------------------
@@ -189,8 +223,9 @@ class StreamData(IterableDataset):
     epoch); otherwise a count of ``__iter__`` calls on the iterating copy (persistent workers, quota mode
     without workers, where a pass can run on into later epochs)."""
 
-    def __init__(self, rank: int, n: int, seed: int, oversized: int, by_epoch: bool, views: bool = False) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, n: int, seed: int, oversized: int, by_epoch: bool, views: bool = False,
+                 uneven: bool = False, pause_s: float = 0.0) -> None:
+        self.rank, self.uneven, self.pause_s = rank, uneven, pause_s
         self.lengths = _lengths(n, seed, oversized)
         self.by_epoch, self.epoch, self.passes = by_epoch, 0, 0
         self.corpus = torch.ones(CORPUS_TOKENS, dtype=torch.long) if views else None
@@ -203,7 +238,9 @@ class StreamData(IterableDataset):
         self.passes += 1
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        for j in range(wid, len(self.lengths), nw):
+        for k, j in enumerate(worker_positions(len(self.lengths), nw, self.uneven)[wid]):
+            if k == 1 and wid == 0 and self.pause_s:
+                time.sleep(self.pause_s)
             yield {"input_ids": _ids(int(self.lengths[j]), 1, self.corpus, 977 * j), "tag": _tag(self.rank, pass_id, j)}
 
 
@@ -219,7 +256,8 @@ IDLE = {"input_ids": torch.ones(1, dtype=torch.long), "tag": -1}
 def _make(cfg: Config, rank: int, group, **overrides) -> evenflow.DynamicBatchLoader:
     if cfg.iterable:
         by_epoch = (cfg.workers > 0 and not cfg.persistent) or (cfg.workers == 0 and cfg.join)
-        ds = StreamData(rank, cfg.sizes[rank], cfg.seed + rank, cfg.oversized, by_epoch, cfg.views)
+        ds = StreamData(rank, cfg.sizes[rank], cfg.seed + rank, cfg.oversized, by_epoch, cfg.views, cfg.uneven,
+                        cfg.pause_s)
     else:
         ds = MapData(cfg.sizes[0], cfg.seed, cfg.oversized, cfg.views)
     kw = dict(planning=cfg.planning) if len(POLICIES) > 1 else {}
@@ -366,8 +404,8 @@ def _fault_data(cfg: Config, rank: int) -> Dataset:
     trap = os.getpid() if cfg.fault == "unpickle" and rank == FAULT_RANK else None
     if cfg.iterable:
         by_epoch = (cfg.workers > 0 and not cfg.persistent) or (cfg.workers == 0 and cfg.join)
-        return _FaultyStream(StreamData(rank, cfg.sizes[rank], cfg.seed + rank, cfg.oversized, by_epoch, cfg.views),
-                             trap)
+        return _FaultyStream(StreamData(rank, cfg.sizes[rank], cfg.seed + rank, cfg.oversized, by_epoch, cfg.views,
+                                        cfg.uneven, cfg.pause_s), trap)
     return _Faulty(MapData(cfg.sizes[0], cfg.seed, cfg.oversized, cfg.views), trap)
 
 
@@ -575,7 +613,8 @@ def _check_stream(cfg: Config, rank: int, r: dict, trained: set) -> tuple[int, i
     # a pass is opened only when the one before it ends).
     order = {p: k for k, p in enumerate(sorted({t // 100_000 - rank * 1_000 for t in trained}))}
     trained = {_tag(rank, order[t // 100_000 - rank * 1_000], t % 100_000) for t in trained}
-    occurrences = [_tag(rank, p, j) for p in range(cfg.epochs) for j in range(n) if j not in dropped]
+    order = read_order(n, cfg.workers, cfg.uneven)  # the unread tail is the end of the workers' interleave
+    occurrences = [_tag(rank, p, j) for p in range(cfg.epochs) for j in order if j not in dropped]
     untrained = [k for k, t in enumerate(occurrences) if t not in trained]
     tail = 0
     while tail < len(untrained) and untrained[-1 - tail] == len(occurrences) - 1 - tail:
@@ -768,6 +807,8 @@ def summarize(cfgs: list[Config], results: dict, seed: int, wall: float, n_poole
         res = results[cfg.id]
         kinds["configs"] += 1
         kinds["fresh" if cfg.id >= n_pooled else "pooled"] += 1
+        kinds["iterable"] += cfg.iterable
+        kinds["uneven"] += cfg.uneven
         if res == "hang":
             found = dict(hangs=1)
         elif isinstance(res, Failed):
@@ -786,7 +827,8 @@ def summarize(cfgs: list[Config], results: dict, seed: int, wall: float, n_poole
                                  detail=res.detail if isinstance(res, Failed) else None))
     for f in failures[:20]:
         print("FAILED", json.dumps(f, default=str)[:3000], flush=True)
-    return dict(configs=kinds["configs"], pooled=kinds["pooled"], fresh=kinds["fresh"], **totals, policies=POLICIES,
+    return dict(configs=kinds["configs"], pooled=kinds["pooled"], fresh=kinds["fresh"], iterable=kinds["iterable"],
+                uneven_workers=kinds["uneven"], **totals, policies=POLICIES,
                 seed=seed, wall_s=round(wall, 1), faults_fired_by_kind=dict(fired),
                 by_policy={k: dict(v) for k, v in by_policy.items()}, failures=len(failures))
 

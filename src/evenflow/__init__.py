@@ -16,7 +16,9 @@ _EXPORTS = {
     **dict.fromkeys(["AlignmentConfig", "GroupingConfig", "LossTokenRule", "count_loss_tokens", "decide_round",
                      "loss_scale", "plan_groups"], ".planning"),
     **dict.fromkeys(["BalanceConfig", "Topology", "plan_balance", "rebalance_step"], ".balance"),
-    **dict.fromkeys(["DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate"], ".runtime"),
+    **dict.fromkeys(["DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate", "shard_batch",
+                     "unshard_batch", "dataset_lengths"], ".runtime"),
+    **dict.fromkeys(["ShardLayout"], ".planning.shard"),
     **dict.fromkeys(["STEP_INFO_KEY", "StepInfo", "pop_step_info", "scale_loss"], ".step_info"),
     **dict.fromkeys(["PeerStopped", "PeerError", "StepInfoMisuse", "ExampleError"], ".errors"),
     **dict.fromkeys(["TokenLRRule", "TokenLRScaler", "default_reference_tokens", "lr_factor"], ".lr"),
@@ -27,7 +29,7 @@ __all__ = [
     "plan_groups", "DynamicBatchLoader", "FlatCollate", "LoaderConfig", "PadCollate", "STEP_INFO_KEY",
     "StepInfo", "pop_step_info", "scale_loss", "BalanceConfig", "Topology", "plan_balance", "rebalance_step",
     "TokenLRRule", "TokenLRScaler", "default_reference_tokens", "lr_factor", "PeerStopped", "PeerError",
-    "StepInfoMisuse", "ExampleError",
+    "StepInfoMisuse", "ExampleError", "shard_batch", "unshard_batch", "ShardLayout", "dataset_lengths",
 ]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
@@ -36,7 +38,9 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from .planning import (AlignmentConfig, GroupingConfig, LossTokenRule, count_loss_tokens, decide_round,
                            loss_scale, plan_groups)
     from .errors import ExampleError, PeerError, PeerStopped, StepInfoMisuse
-    from .runtime import DynamicBatchLoader, FlatCollate, LoaderConfig, PadCollate
+    from .planning.shard import ShardLayout
+    from .runtime import (DynamicBatchLoader, FlatCollate, LoaderConfig, PadCollate, dataset_lengths, shard_batch,
+                          unshard_batch)
     from .step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
 
 

@@ -2,8 +2,8 @@
 
 A forwarding module holds one line, ``__getattr__ = moved(__name__, "evenflow.new.home")``; the first lookup of a
 name imports the new home (by name, so the old path's package never imports upwards) and warns with a
-:class:`DeprecationWarning` that names where to import it from. The object returned is the new home's own, so
-``isinstance`` checks, pickles and identity comparisons see one class.
+[`DeprecationWarning`][DeprecationWarning] that names where to import it from. The object returned is the new home's
+own, so ``isinstance`` checks, pickles and identity comparisons see one class.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The errors every layer raises, and how a failure's detail travels between ranks.
 
-:class:`PeerStopped` and :class:`PeerError` (what a rank sees when a peer stops early or fails),
-:class:`StepInfoMisuse` (a batch went on without its step info taken out), :class:`ExampleError` (one example of a
-multimodal batch is unusable), and the fixed-width int64 encoding of a failure that the loader's rounds and the
-orchestrator's exchanges carry (:func:`encode_detail`, :func:`decode_detail`). Nothing here imports torch.
+[`PeerStopped`][PeerStopped] and [`PeerError`][PeerError] (what a rank sees when a peer stops early or fails),
+[`StepInfoMisuse`][StepInfoMisuse] (a batch went on without its step info taken out), [`ExampleError`][ExampleError]
+(one example of a multimodal batch is unusable), and the fixed-width int64 encoding of a failure that the loader's
+rounds and the orchestrator's exchanges carry ([`encode_detail()`][encode_detail], [`decode_detail()`][decode_detail]).
+Nothing here imports torch.
 
 NOTE [ Faults in the round sequence ]
     Every failure on a rank -- a worker's exception or death, a sample that cannot be measured, a
@@ -14,21 +15,21 @@ NOTE [ Faults in the round sequence ]
     exchange 2 of the same round for what happens after exchange 1 (receiving a moved sample, collating the
     round: every round is collated before exchange 2); the commit exchange under ``balance=True``, whose
     samples move after exchange 2. Every rank sees the flag, so every rank then issues one more fixed-size
-    all_gather (:data:`DETAIL_WIDTH` int64: sample index, type name, message as truncated UTF-8, and whether
+    all_gather ([`DETAIL_WIDTH`][DETAIL_WIDTH] int64: sample index, type name, message as truncated UTF-8, and whether
     the trainer failed) and no other collective. Rounds without an error cost nothing extra. Custom exception
     classes need not pickle: only text travels.
 
     A round's batches are handed to the trainers only once every rank collated them, so every rank has handed
     over the same steps when an error round comes. A loader failure is raised after those (the failing rank
     re-raises its own exception, with a note naming its rank and sample; every peer raises
-    :class:`PeerError`), so every rank yields the same number of batches before raising: under DDP no rank
+    [`PeerError`][PeerError]), so every rank yields the same number of batches before raising: under DDP no rank
     waits in a gradient all_reduce that a failed peer never joins. A peer's *trainer* failure is raised ahead
     of the batches still held: that rank has left its loop, nothing keeps the ranks level any more.
 
 NOTE [ Early stops ]
     A generator cannot tell a ``break`` from an exception leaving the loop. When rank r's iterator is closed
     early, r reports STOP(r, s) in its next round, s = batches its trainer took. Every rank ends the epoch
-    after that round; a peer still iterating raises :class:`PeerStopped` when it asks for batch s + 1 if it
+    after that round; a peer still iterating raises [`PeerStopped`][PeerStopped] when it asks for batch s + 1 if it
     already knows of the stop, else at its next request: it may yield the batches it held ready before it
     learned (up to ``depth`` plus one round's steps), never an end of epoch. That holds at the end too: the
     epoch's last round is followed by one more exchange once every trainer took its last batch (NOTE [ The end
@@ -85,15 +86,15 @@ class PeerError(RuntimeError):
 
 
 class StepInfoMisuse(RuntimeError):
-    """A batch went on without its :class:`~evenflow.StepInfo` being taken out (NOTE [ Misuse is loud ] in
-    :mod:`evenflow.step_info`)."""
+    """A batch went on without its [`StepInfo`][evenflow.StepInfo] being taken out (NOTE [ Misuse is loud ] in
+    `evenflow.step_info`)."""
 
 
 class ExampleError(ValueError):
     """One example of a rank's batch is unusable (its media do not match its grid or its placeholders).
 
     ``example``: its position in the rank's batch; ``sample_index``: its dataset index when known (peers'
-    :class:`PeerError` reports it).
+    [`PeerError`][PeerError] reports it).
     """
 
     def __init__(self, message: str, *, example: int, sample_index: int | None = None) -> None:
@@ -140,12 +141,12 @@ def encode_detail(exc: BaseException | None, sample_index: int | None, *, traine
 
 
 def trainer_failed(row: np.ndarray) -> bool:
-    """Whether a row of :func:`encode_detail` reports the trainer's own failure."""
+    """Whether a row of [`encode_detail()`][encode_detail] reports the trainer's own failure."""
     return bool(row[4])
 
 
 def decode_detail(row: np.ndarray) -> tuple[str, str, int | None]:
-    """``(type name, message, sample index)`` from a row of :func:`encode_detail`."""
+    """``(type name, message, sample index)`` from a row of [`encode_detail()`][encode_detail]."""
     has_index, index, n_name, n_message, _ = (int(v) for v in row[:_HEADER])
     raw = np.ascontiguousarray(row[_HEADER:], dtype=np.int64).view(np.uint8)
     name = raw[:n_name].tobytes().decode("utf-8", errors="replace")

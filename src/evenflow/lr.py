@@ -15,9 +15,9 @@ is zero anyway). Units are optimizer steps: ``T`` is the whole accumulation wind
 (``StepInfo.window_loss_tokens``), and the schedule underneath (any ``torch.optim.lr_scheduler``) keeps counting
 optimizer steps and never sees the scaled value.
 
-How: :class:`TokenLRScaler` registers a step pre-hook and post-hook on the optimizer (public
+How: [`TokenLRScaler`][TokenLRScaler] registers a step pre-hook and post-hook on the optimizer (public
 ``torch.optim.Optimizer`` API). The pre-hook multiplies every param group's ``lr`` by the factor of the tokens
-last passed to :meth:`~TokenLRScaler.observe`; the post-hook puts the unscaled values back before the LR
+last passed to [`observe()`][TokenLRScaler.observe]; the post-hook puts the unscaled values back before the LR
 scheduler steps. So it composes with any scheduler, and with trainers that call ``optimizer.step()``
 themselves (the HF and Lightning integrations take ``lr_scaling=`` and call ``observe`` for you)::
 
@@ -79,7 +79,7 @@ def default_reference_tokens(token_budget: int, world_size: int = 1, grad_accum_
 @dataclass(frozen=True, kw_only=True)
 class TokenLRRule:
     """Which scaling, relative to which reference. ``reference_tokens=None`` means
-    :func:`default_reference_tokens` of the loader's budget, world size and accumulation."""
+    [`default_reference_tokens()`][default_reference_tokens] of the loader's budget, world size and accumulation."""
 
     scaling: LRScaling = "sqrt"
     """``"sqrt"`` (Adam-family optimizers), ``"linear"`` (SGD), ``"none"`` (the schedule's LR as is)."""
@@ -112,14 +112,15 @@ class TokenLRRule:
 
 
 class TokenLRScaler:
-    """Scale every ``optimizer.step()`` by :func:`lr_factor` of the tokens given to :meth:`observe` for it.
+    """Scale every ``optimizer.step()`` by [`lr_factor()`][lr_factor] of the tokens given to [`observe()`][observe] for
+    it.
 
     ``optimizer`` is a ``torch.optim.Optimizer`` (a trainer's wrapper is unwrapped through its ``optimizer``
     attribute). Either pass ``reference_tokens``, or ``token_budget`` (and ``world_size``,
-    ``grad_accum_steps``) for the default reference. Call :meth:`observe` once before every optimizer step: a
+    ``grad_accum_steps``) for the default reference. Call [`observe()`][observe] once before every optimizer step: a
     step with no observed count raises, because silently reusing the previous step's count is a wrong LR that
-    nothing would show. :meth:`remove` detaches the hooks. :meth:`state_dict` / :meth:`load_state_dict` keep
-    the reference across a resume, also on another number of ranks.
+    nothing would show. `remove()` detaches the hooks. [`state_dict()`][state_dict] /
+    [`load_state_dict()`][load_state_dict] keep the reference across a resume, also on another number of ranks.
     """
 
     def __init__(self, optimizer: Any, *, scaling: LRScaling = "sqrt", reference_tokens: int | None = None,

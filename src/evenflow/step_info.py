@@ -11,12 +11,12 @@ import torch
 
 from .errors import StepInfoMisuse
 
-__all__ = ["STEP_INFO_KEY", "StepInfo", "StepInfoMisuse", "UsageCheck", "UsageTracker", "pop_step_info",
-           "scale_loss"]
+__all__ = ["STEP_INFO_KEY", "LoaderTerms", "StepInfo", "StepInfoMisuse", "UsageCheck", "UsageTracker",
+           "pop_step_info", "scale_loss"]
 
 STEP_INFO_KEY = "evenflow_step_info"
 """Reserved batch key. The loader adds it *after* ``collate_fn``, so a collate that keeps only known keys
-cannot lose it; :func:`pop_step_info` removes it before the batch reaches the model."""
+cannot lose it; [`pop_step_info()`][pop_step_info] removes it before the batch reaches the model."""
 
 
 class _Receipt:
@@ -27,15 +27,26 @@ class _Receipt:
         forgets ``pop_step_info`` would train on an unscaled loss without a word. So the StepInfo (ours, not the
         user's batch dict, which may be copied or rebuilt) records who took it, and the loader checks, a few
         fetches later, that every batch it handed out had its info taken (``usage_check="taken"``) or its loss
-        scaled (``"scaled"``), raising :class:`StepInfoMisuse` with the fix otherwise. "A few fetches later"
+        scaled (``"scaled"``), raising [`StepInfoMisuse`][StepInfoMisuse] with the fix otherwise. "A few fetches later"
         because trainers fetch ahead: Lightning one batch, HF a whole accumulation window.
     """
 
-    __slots__ = ("taken", "scaled")
+    __slots__ = ("taken", "scaled", "terms")
 
     def __init__(self) -> None:
         self.taken = False
         self.scaled = False
+        self.terms: LoaderTerms | None = None
+
+
+@dataclass(frozen=True)
+class LoaderTerms:
+    """The loader settings a step that consumes its batches must agree with (``StepInfo.loader_terms``)."""
+
+    max_encoder_rows: int | None
+    """The loader's encoder budget: patch rows before merging per batch (``None``: no such budget)."""
+    timeout_s: float
+    """The loader's ``timeout``: a step's own waits stay below it, so their error reaches peers first."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,20 @@ class StepInfo:
     """Real (unpadded) tokens of this step summed over all ranks."""
     steps_bound: int = -1
     """Upper bound on this epoch's total steps as known at this step (``len(loader)``), -1 if unknown."""
+    shard_degree: int = 1
+    """CP/SP ranks that split this batch (``mesh=``): gradients are averaged over ``world_size x shard_degree``
+    ranks, which ``loss_scale`` and ``scale_loss`` count; the token counts are the data-parallel group's."""
     receipt: _Receipt = field(default_factory=_Receipt, init=False, repr=False, compare=False)
     """Who saw this info (NOTE [ Misuse is loud ]); a copy made with ``dataclasses.replace`` starts unseen."""
+
+    @property
+    def loader_terms(self) -> LoaderTerms | None:
+        """The settings of the loader that yielded this step (``None``: a StepInfo built by hand)."""
+        return self.receipt.terms
+
+    def set_loader_terms(self, terms: LoaderTerms) -> None:
+        """Record the yielding loader's settings (done by the loader)."""
+        self.receipt.terms = terms
 
     def mark_taken(self) -> None:
         """Record that this step's info was taken out of its batch (done by ``pop_step_info`` and integrations)."""
@@ -90,7 +113,7 @@ class StepInfo:
 
 
 def pop_step_info(batch: MutableMapping) -> StepInfo:
-    """Remove and return the loader's :class:`StepInfo` from a batch (call before ``model(**batch)``)."""
+    """Remove and return the loader's [`StepInfo`][StepInfo] from a batch (call before ``model(**batch)``)."""
     try:
         info = batch.pop(STEP_INFO_KEY)
     except (KeyError, AttributeError, TypeError):
@@ -107,6 +130,8 @@ def scale_loss(loss: torch.Tensor, info: StepInfo, *, reduction: str = "mean") -
     ``reduction="mean"``: ``loss`` is the mean over this rank's supervised tokens -> ``loss * info.loss_scale``.
     ``reduction="sum"``: ``loss`` is the sum over them -> ``loss * W / window_loss_tokens``. Use "sum" when a
     rank's batch may hold no supervised token at all (its mean is 0/0 = NaN, and NaN * 0 is still NaN).
+    On a CP/SP mesh ``W`` is ``world_size x shard_degree`` and "sum" is the natural form: a rank sums over its
+    shard's ``shift_labels``; "mean" then means that sum divided by ``local_loss_tokens`` (the group's count).
     IDLE steps scale by exactly 0, so their gradients are zero. Do not also divide by ``grad_accum_steps``.
     """
     if not isinstance(info, StepInfo):
@@ -116,7 +141,8 @@ def scale_loss(loss: torch.Tensor, info: StepInfo, *, reduction: str = "mean") -
     if reduction == "mean":
         return loss * info.loss_scale
     if reduction == "sum":
-        factor = info.world_size / info.window_loss_tokens if info.window_loss_tokens and not info.is_idle else 0.0
+        ranks = info.world_size * info.shard_degree
+        factor = ranks / info.window_loss_tokens if info.window_loss_tokens and not info.is_idle else 0.0
         return loss * factor
     raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
@@ -124,7 +150,7 @@ def scale_loss(loss: torch.Tensor, info: StepInfo, *, reduction: str = "mean") -
 UsageCheck = Literal["taken", "scaled", "off"]
 _FIXES = {
     "taken": "call `info = evenflow.pop_step_info(batch)` before `model(**batch)` and scale the loss with "
-             "`evenflow.scale_loss(loss, info)`",
+             "`evenflow.scale_loss(loss, info)` (a balanced VLM step takes the info itself: `vlm(batch, info)`)",
     "scaled": "backpropagate `evenflow.scale_loss(loss, info)` (or call `info.mark_scaled()` where you apply "
               "`info.loss_scale` yourself)",
 }
@@ -150,7 +176,7 @@ class UsageTracker:
             self._pending.append(info)
 
     def check(self, rank: int) -> None:
-        """Raise :class:`StepInfoMisuse` for the oldest batch past the lag that was not taken / scaled."""
+        """Raise [`StepInfoMisuse`][StepInfoMisuse] for the oldest batch past the lag that was not taken / scaled."""
         while len(self._pending) > self.lag:
             info = self._pending.popleft()
             seen = info.receipt.scaled if self.mode == "scaled" else info.receipt.taken

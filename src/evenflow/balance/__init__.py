@@ -14,7 +14,7 @@
 - phases/         -- multi-phase MLLMs: a plan per phase (meta, plan, routing)
 
 All of it pure: no ``torch.distributed`` here. The data moves -- the all-to-all of samples, the differentiable
-all-to-all and the orchestrator that runs a multi-phase plan -- are :mod:`evenflow.exchange`.
+all-to-all and the orchestrator that runs a multi-phase plan -- are [`evenflow.exchange`][evenflow.exchange].
 """
 
 from .costs import QuadraticCost, as_costs, fit_quadratic, item_costs, padded_cost, summed_cost

@@ -24,7 +24,8 @@ from .costs import as_costs
 __all__ = ["lpt_batched", "refine_pairs", "PAIR_ROUNDS", "PAIR_COUNT"]
 
 PAIR_ROUNDS = 4
-"""Rounds of pairwise refinement after :func:`lpt_batched` (a count, not a clock, so every rank stops alike)."""
+"""Rounds of pairwise refinement after [`lpt_batched()`][lpt_batched] (a count, not a clock, so every rank stops
+alike)."""
 PAIR_COUNT = 32
 """Most loaded ranks paired with the least loaded ones in each round of pairwise refinement."""
 

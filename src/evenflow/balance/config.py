@@ -1,4 +1,5 @@
-"""How :func:`evenflow.balance.plan_balance` balances: a frozen configuration, validated on construction."""
+"""How [`evenflow.balance.plan_balance()`][evenflow.balance.plan_balance] balances: a frozen configuration, validated on
+construction."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ BATCHED_ABOVE = 16_384
 
 @dataclass(frozen=True, kw_only=True)
 class BalanceConfig:
-    """How :func:`plan_balance` balances. Every field is checked in ``__post_init__``."""
+    """How [`plan_balance()`][plan_balance] balances. Every field is checked in ``__post_init__``."""
 
     method: Method = "auto"
     """``"auto"`` (heap LPT up to ``BATCHED_ABOVE`` items, batched LPT above), ``"lpt"``, ``"lpt_batched"``,
@@ -35,7 +36,7 @@ class BalanceConfig:
     assignment: Assignment = "greedy"
     """``"greedy"``: sparse greedy matching on bytes already in place (NOTE [ Greedy bucket matching ]; ~ms at
     2,560 ranks, no scipy); ``"exact"``: linear assignment on the dense ``[buckets, ranks]`` byte matrix
-    (:func:`~evenflow.balance.topology.assign_buckets`; ~1 s at 2,560 ranks, imports scipy)."""
+    ([`assign_buckets()`][evenflow.balance.topology.assign_buckets]; ~1 s at 2,560 ranks, imports scipy)."""
     milp_time_limit: float = 10.0
     """Seconds HiGHS may spend in ``method="milp"``; the best solution found is used after that."""
 

@@ -4,9 +4,9 @@ Three shapes of cost, matching how a batch is collated:
 
 * ``summed`` -- packed / varlen batches: a rank's cost is the sum of its items' costs ``f(L_i)``.
 * ``padded`` -- right-padded batches: a rank holding ``n`` items costs ``n * f(max L)``; the longest item
-  sets the row length of every row. Not additive: :func:`evenflow.balance.planners.padded_partition` solves
+  sets the row length of every row. Not additive: `evenflow.balance.planners.padded_partition()` solves
   it exactly.
-* ``f`` itself is :class:`QuadraticCost` ``gamma + alpha * L + beta * L**2`` per phase (linear layers are
+* ``f`` itself is [`QuadraticCost`][QuadraticCost] ``gamma + alpha * L + beta * L**2`` per phase (linear layers are
   ``alpha * L``, attention is ``beta * L**2``, kernel launches are ``gamma``), or any ``cost_fn(item)``.
 
 NOTE [ Fitting a phase's cost ]

@@ -1,4 +1,5 @@
-"""Moved to :mod:`evenflow.exchange.dispatch`: this old path forwards every name there, with a ``DeprecationWarning``."""
+"""Moved to [`evenflow.exchange.dispatch`][evenflow.exchange.dispatch]: this old path forwards every name there, with a
+``DeprecationWarning``."""
 
 from ..deprecation import moved
 

@@ -10,7 +10,7 @@ NOTE [ Locality ]
     when it fits and moves fewer bytes. Example, tol = 0.02, loads [10, 10, 10, 14] in items of 1-4:
     M = 11 (balanced), limit 11.22: rank 3 keeps 11 and ships 3 -- 3 units move instead of ~all 44.
     A try whose shed items cannot fit by counting alone is given up before placing any of them
-    (:func:`_cannot_fit`: the ``k`` largest cost at least ``t`` each, and a rank with room ``rho`` under the
+    ([`_cannot_fit()`][_cannot_fit]: the ``k`` largest cost at least ``t`` each, and a rank with room ``rho`` under the
     limit holds at most ``floor(rho / t)`` of them) -- the same answer, without placing thousands of items one
     by one (at 2,560 ranks, a phase of 2-s audio pieces failed all ten tries, ~15 ms each). And when the full
     limit fails, the lowest threshold is tried next; if that fails too, the order is given up without the
@@ -32,8 +32,8 @@ __all__ = ["LOCALITY_KEEP_FRACTIONS", "locality_plan"]
 
 
 LOCALITY_KEEP_FRACTIONS = (1.0, 0.98, 0.95, 0.9, 0.8)
-"""Keep thresholds tried by :func:`locality_plan`, as fractions of the limit: keeping a little less leaves room
-to pack the shed items under the limit (a count, not a clock: every rank tries the same ones)."""
+"""Keep thresholds tried by [`locality_plan()`][locality_plan], as fractions of the limit: keeping a little less leaves
+room to pack the shed items under the limit (a count, not a clock: every rank tries the same ones)."""
 
 
 def locality_plan(costs: np.ndarray, sources: np.ndarray, num_ranks: int, limit: float, topology: Topology, *,
@@ -42,7 +42,7 @@ def locality_plan(costs: np.ndarray, sources: np.ndarray, num_ranks: int, limit:
     """The plan that keeps the most bytes home with max load <= ``limit`` (NOTE [ Locality ]), or None.
 
     Two keep orders (bytes per cost, or cost -- descending, ties by index) times
-    :data:`LOCALITY_KEEP_FRACTIONS`;
+    [`LOCALITY_KEEP_FRACTIONS`][LOCALITY_KEEP_FRACTIONS];
     for each order the first threshold whose shed items all fit under ``limit`` is a candidate; the one
     moving the fewest (inter-node, intra-node) bytes wins.
     """
@@ -133,8 +133,8 @@ def _home_plan(costs: np.ndarray, weights: np.ndarray, sources: np.ndarray, pref
 
 
 CERTIFICATE_RUNS = 16
-""":func:`_cannot_fit` counts at the end of this many of the longest runs of equal cost (and at powers of two):
-equal pieces (whole audio windows, same-sized frames) are where the room fragments."""
+"""[`_cannot_fit()`][_cannot_fit] counts at the end of this many of the longest runs of equal cost (and at powers of
+two): equal pieces (whole audio windows, same-sized frames) are where the room fragments."""
 _ROUNDING = 1e-9
 """Relative slack on each rank's room in the count, so float rounding can only make it more permissive than
 the placement (which adds costs one by one): it never gives up a try that would fit."""

@@ -27,7 +27,7 @@ heavier rank gains less). All ranks when there are at most this many, so small i
 def lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, *, cap: float | None = None,
         cap_weights: Sequence[float] | np.ndarray | None = None, equal_counts: bool = False,
         refine: bool = True) -> np.ndarray:
-    """Longest processing time first, then :func:`refine_swaps`. Returns the rank of each item.
+    """Longest processing time first, then [`refine_swaps()`][refine_swaps]. Returns the rank of each item.
 
     Without constraints the max load is at most 4/3 of the optimum (Graham 1969); refinement only lowers it.
     ``cap`` bounds each rank's sum of ``cap_weights`` (default: the costs); ``equal_counts`` gives every
@@ -127,7 +127,7 @@ def refine_swaps(costs: Sequence[float] | np.ndarray, assignment: Sequence[int] 
     (keeps item counts). Swaps are searched with the items of the ``SWAP_PARTNERS`` least loaded ranks (all
     ranks when there are fewer): a step costs O(items on ``a`` x their items), not x all items -- 64 ranks x
     32 items took ~5 ms per step otherwise. For very large instances
-    :func:`~evenflow.balance.batched.lpt_batched` uses a pairwise vectorized variant instead.
+    [`lpt_batched()`][evenflow.balance.batched.lpt_batched] uses a pairwise vectorized variant instead.
 
     >>> refine_swaps([4, 3, 3, 2], [0, 0, 1, 1], 2).tolist()  # loads 7 / 5 -> 6 / 6
     [1, 0, 0, 1]
@@ -163,7 +163,7 @@ def refine_swaps(costs: Sequence[float] | np.ndarray, assignment: Sequence[int] 
 
 
 class _SwapState:
-    """Assignment, per-rank loads and cap usage, kept in step by :meth:`relocate`."""
+    """Assignment, per-rank loads and cap usage, kept in step by [`relocate()`][relocate]."""
 
     def __init__(self, arr: np.ndarray, out: np.ndarray, weights: np.ndarray | None, cap: float | None,
                  num_ranks: int) -> None:

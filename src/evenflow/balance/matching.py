@@ -1,9 +1,9 @@
 """Which rank gets which balanced bucket, at any scale: a sparse greedy matching on bytes already in place.
 
 The exact answer is a linear assignment over a dense ``[buckets, ranks]`` matrix
-(:func:`evenflow.balance.topology.assign_buckets`, NOTE [ Rearrangement is an assignment problem ]): 52 M
-entries and ~1 s of CPU at 2,560 ranks, plus a scipy import on first use. The structure is sparse -- a
-bucket's items come from a few source ranks (most buckets from one or two) -- so only the (bucket, source
+([`evenflow.balance.topology.assign_buckets()`][evenflow.balance.topology.assign_buckets], NOTE [ Rearrangement is an
+assignment problem ]): 52 M entries and ~1 s of CPU at 2,560 ranks, plus a scipy import on first use. The structure is
+sparse -- a bucket's items come from a few source ranks (most buckets from one or two) -- so only the (bucket, source
 rank) pairs that hold bytes are candidates.
 
 NOTE [ Greedy bucket matching ]
@@ -55,7 +55,8 @@ def assign_buckets_greedy(bucket_of_item: Sequence[int] | np.ndarray, sources: S
                           num_buckets: int | None = None) -> np.ndarray:
     """Rank of each bucket by the sparse greedy matching (NOTE [ Greedy bucket matching ]). Deterministic.
 
-    Same contract as :func:`evenflow.balance.topology.assign_buckets`: returns ``rank_of_bucket``.
+    Same contract as [`evenflow.balance.topology.assign_buckets()`][evenflow.balance.topology.assign_buckets]: returns
+    ``rank_of_bucket``.
 
     >>> topo = Topology(num_ranks=2, ranks_per_node=1)
     >>> assign_buckets_greedy([0, 0, 1], [1, 1, 0], topo).tolist()  # bucket 0 lives on rank 1: keep it there
@@ -85,7 +86,7 @@ def assign_buckets_greedy(bucket_of_item: Sequence[int] | np.ndarray, sources: S
 
 
 TWO_OPT_MAX_PAIRS = 4096
-"""Candidate pairs up to which :func:`_two_opt` runs (64 ranks x 32 items: at most 2,048; thousands of ranks
+"""Candidate pairs up to which [`_two_opt()`][_two_opt] runs (64 ranks x 32 items: at most 2,048; thousands of ranks
 skip it -- pure-Python exchanges would cost more than the matching)."""
 TWO_OPT_ROUNDS = 2
 """Passes of pairwise exchange over the candidates (a count: every rank stops alike)."""

@@ -41,8 +41,8 @@ def padded_partition(unit_costs: Sequence[float] | np.ndarray, num_ranks: int, *
         into B the |B| longest items -- B's cost is unchanged and every other bucket trades items for shorter
         ones, so no cost rises. Recurse on the rest. For a target T, taking the longest feasible run from the
         top (``floor(T / u_p)`` items) and repeating uses the fewest runs (the exchange argument of NOTE
-        [ Padded grouping is optimal ] in :mod:`evenflow.planning.grouping`). T* is then found by bisection
-        that always snaps ``hi`` to a realized partition cost. Example, 2 ranks, lengths [8, 5, 4, 4, 3]:
+        [ Padded grouping is optimal ] in [`evenflow.planning.grouping`][evenflow.planning.grouping]). T* is then found
+        by bisection that always snaps ``hi`` to a realized partition cost. Example, 2 ranks, lengths [8, 5, 4, 4, 3]:
         T = 16 gives runs [8, 5] (2 * 8) and [4, 4, 3] (3 * 4 = 12); T = 15 gives [8], [5, 4, 4] and [3] --
         three runs, infeasible; so T* = 16.
 

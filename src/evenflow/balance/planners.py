@@ -7,21 +7,21 @@ index)``, and iterative steps stop on counts, never on a clock.
 ======================  ===============================================  ===================================
 planner                 guarantee                                        use
 ======================  ===============================================  ===================================
-:func:`lpt`             LPT greedy <= 4/3 OPT, then swap refinement      default up to ``BATCHED_ABOVE`` items
-:func:`lpt_batched`     LPT over chunks of ranks, vectorized; refined    2,560 ranks x 32 items
-:func:`karmarkar_karp`  largest differencing (multi-way)                 option; often tighter than LPT
-:func:`milp_balance`    exact (HiGHS via ``scipy.optimize.milp``)        small instances, oracle in tests
+[`lpt()`][lpt]             LPT greedy <= 4/3 OPT, then swap refinement      default up to ``BATCHED_ABOVE`` items
+[`lpt_batched()`][lpt_batched]     LPT over chunks of ranks, vectorized; refined    2,560 ranks x 32 items
+[`karmarkar_karp()`][karmarkar_karp]  largest differencing (multi-way)                 option; often tighter than LPT
+[`milp_balance()`][milp_balance]    exact (HiGHS via ``scipy.optimize.milp``)        small instances, oracle in tests
 ``padded_partition``    exact for padded cost ``n * f(max L)``           right-padded batches (``padded.py``)
 ======================  ===============================================  ===================================
 
-:func:`plan_balance` is the entry point: balanced buckets, then buckets mapped to ranks to move the fewest
-bytes (:mod:`evenflow.balance.matching`, or the exact :mod:`evenflow.balance.topology` assignment), then
-locality (NOTE [ Locality ] in :mod:`evenflow.balance.locality`). The planners live in small modules --
+[`plan_balance()`][plan_balance] is the entry point: balanced buckets, then buckets mapped to ranks to move the fewest
+bytes (`evenflow.balance.matching`, or the exact [`evenflow.balance.topology`][evenflow.balance.topology] assignment),
+then locality (NOTE [ Locality ] in `evenflow.balance.locality`). The planners live in small modules --
 ``lpt.py``, ``batched.py``, ``kk.py``, ``milp.py`` -- re-exported here.
 
 NOTE [ No stall on the first step ]
     The default path (LPT or batched LPT, greedy matching, locality) is numpy only: no scipy import, which
-    cost ~1.8 s on the first call when the assignment was scipy's. :func:`warm_up` runs one tiny plan so
+    cost ~1.8 s on the first call when the assignment was scipy's. [`warm_up()`][warm_up] runs one tiny plan so
     numpy's own first-call costs are paid at construction, not inside the training loop.
 """
 
@@ -119,7 +119,7 @@ def plan_balance(costs: Sequence[float] | np.ndarray, sources: Sequence[int] | n
     3. Locality (default 2 %): a plan that keeps items home with max load <= ``(1 + tol) * M`` replaces it
        when it moves fewer bytes (NOTE [ Locality ]).
 
-    ``costs[i]``: the item's cost (additive: use :func:`~evenflow.balance.padded.padded_partition` for padded
+    ``costs[i]``: the item's cost (additive: use `padded_partition()` for padded
     batches);
     ``sources[i]``: the rank that holds it now; ``ranks_per_node``: ranks per node, consecutive (``None``:
     one node); ``item_bytes``: bytes moved if the item moves (default: its cost); ``cap``: limit on each

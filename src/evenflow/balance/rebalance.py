@@ -7,7 +7,7 @@ ranks real work when another rank holds two or more samples.
 NOTE [ Rebalancing a step keeps every budget ]
     Padded cost (``samples x longest``) is not additive, so a sum-based balancer could build an over-budget
     group. The padded path instead solves min-max exactly over contiguous runs of the length-sorted samples
-    (NOTE [ Padded balancing is contiguous ] in :mod:`evenflow.balance.padded`). Its optimum ``T*`` is at
+    (NOTE [ Padded balancing is contiguous ] in `evenflow.balance.padded`). Its optimum ``T*`` is at
     most the largest input group's cost -- the input itself is one feasible solution -- and the input groups
     were within budget, so every output group is too. Runs are then split (never merged) until
     ``min(samples, ranks)`` groups are non-empty: a sub-run of a run costs no more. Example, budget 16,

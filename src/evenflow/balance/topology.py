@@ -16,12 +16,12 @@ NOTE [ Rearrangement is an assignment problem ]
     byte counts are first measured in power-of-two units (exact in those units).
 
     The most loaded *link* (max over nodes of bytes leaving or entering the node) is not a sum, so it is a
-    real MILP (:func:`assign_buckets_milp`, HiGHS): bucket-to-node binaries, bounded above by the
+    real MILP ([`assign_buckets_milp()`][assign_buckets_milp], HiGHS): bucket-to-node binaries, bounded above by the
     assignment's own bottleneck, with total inter-node bytes as a tie-break; ranks inside each node are then
     an exact assignment on intra-node bytes.
 
 Topology comes from an explicit ``ranks_per_node`` or, at the edge of a program, from torchrun's
-``LOCAL_WORLD_SIZE`` (:func:`topology_from_env`, read once, never written).
+``LOCAL_WORLD_SIZE`` ([`topology_from_env()`][topology_from_env], read once, never written).
 """
 
 from __future__ import annotations
@@ -196,9 +196,10 @@ def assign_buckets_milp(bucket_of_item: Sequence[int] | np.ndarray, sources: Seq
                         topology: Topology, *, item_bytes: Sequence[float] | np.ndarray | None = None,
                         objective: Literal["total", "bottleneck"] = "bottleneck", time_limit: float = 30.0,
                         num_buckets: int | None = None) -> np.ndarray:
-    """Rank of each bucket from a MILP (HiGHS). Small instances; also the oracle for :func:`assign_buckets`.
+    """Rank of each bucket from a MILP (HiGHS). Small instances; also the oracle for
+    [`assign_buckets()`][assign_buckets].
 
-    ``"total"``: the same lexicographic (inter, intra) objective as :func:`assign_buckets`, over
+    ``"total"``: the same lexicographic (inter, intra) objective as [`assign_buckets()`][assign_buckets], over
     bucket-to-rank binaries -- tests check both reach the same optimum. ``"bottleneck"``: minimize the most
     loaded node link (max over nodes of bytes leaving or entering), then total inter-node bytes, over
     bucket-to-node binaries with ``z <= `` the assignment's own bottleneck; then per node, an exact

@@ -10,7 +10,7 @@ NOTE [ Audio frame stride ]
     ``AUDIO_FRAME_STRIDE = 4`` frames become one LLM token (40 ms; Qwen2-Audio's Whisper encoder halves
     the frames with a stride-2 convolution and again with a stride-2 pooling). A clip is cropped to a
     multiple of the stride, so "Hello there" (~0.9 s) -> ~88 frames -> 22 placeholder tokens. The Qwen3
-    vocabulary has no audio token: the placeholder id is a modelling choice (:data:`AUDIO_PAD_ID`, the first
+    vocabulary has no audio token: the placeholder id is a modelling choice ([`AUDIO_PAD_ID`][AUDIO_PAD_ID], the first
     id past the vocabulary -- a model adds one embedding row for it). Frames are the audio encoder's
     resource budget (``extra_budgets={"num_frames": ...}``), tokens count toward the LLM length.
 """
@@ -105,7 +105,8 @@ def _speech_cached(text: str, voice: str) -> np.ndarray:
 
 
 def synthesize_speech(text: str, *, voice: str = "en") -> np.ndarray:
-    """Float32 waveform in [-1, 1] at :data:`ESPEAK_SAMPLE_RATE` (cached per process: same text, same clip)."""
+    """Float32 waveform in [-1, 1] at [`ESPEAK_SAMPLE_RATE`][ESPEAK_SAMPLE_RATE] (cached per process: same text, same
+    clip)."""
     if not text.strip():
         raise ValueError("cannot synthesize speech from empty text; filter empty turns out first")
     return _speech_cached(text, voice)

@@ -25,7 +25,8 @@ class MissingDependencyError(ImportError):
 
 
 def require(module: str, purpose: str) -> None:
-    """Raise :class:`MissingDependencyError` naming the pip package when ``module`` cannot be imported.
+    """Raise [`MissingDependencyError`][MissingDependencyError] naming the pip package when ``module`` cannot be
+    imported.
 
     Uses ``find_spec`` so nothing heavy is imported just to check.
     """

@@ -94,7 +94,7 @@ def augmented_image(path: str | os.PathLike[str], *, seed: int, index: int,
 
 def process_image(path: str | os.PathLike[str], *, seed: int, index: int, scale_range: tuple[float, float],
                   min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> ProcessedImage:
-    """:func:`augmented_image` through the Qwen2-VL processor."""
+    """[`augmented_image()`][augmented_image] through the Qwen2-VL processor."""
     processor = image_processor(min_pixels, max_pixels, os.getpid())
     out = processor(images=augmented_image(path, seed=seed, index=index, scale_range=scale_range),
                     return_tensors="np")

@@ -1,10 +1,10 @@
 """Three modalities on real media: chitchat text, scikit-image photos, eSpeak NG speech, mixed at set ratios.
 
-Each index draws its kind from :class:`MediaMix` with a generator seeded by ``(seed, index)`` -- the same
+Each index draws its kind from [`MediaMix`][MediaMix] with a generator seeded by ``(seed, index)`` -- the same
 sample in every process and epoch -- and pairs it with the first exchange of a chitchat conversation:
 
 - ``text``  -- the exchange as written;
-- ``image`` -- a photo before the user's words (Qwen2-VL layout, see :mod:`evenflow.data.images`);
+- ``image`` -- a photo before the user's words (Qwen2-VL layout, see `evenflow.data.images`);
 - ``audio`` -- the user's words *spoken* (eSpeak NG) instead of written: log-mel frames and
   ``frames // AUDIO_FRAME_STRIDE`` audio placeholder tokens (NOTE [ Audio frame stride ] in ``audio.py``);
 - ``both``  -- a photo and the spoken words.
@@ -18,8 +18,8 @@ budgets them directly. Layout of an ``audio`` sample (tokens abridged, ``A`` = `
 
 NOTE [ The HF layout of multimodal samples ]
     ``layout="hf"`` gives each sample only the keys of the media it has, in the form HF multimodal models take
-    them, so :class:`evenflow.PadCollate` batches any mix of kinds into what the model's forward consumes
-    (NOTE [ Extra keys in the default collates ] in evenflow.runtime.collate_extras):
+    them, so [`evenflow.PadCollate`][evenflow.PadCollate] batches any mix of kinds into what the model's forward
+    consumes (NOTE [ Extra keys in the default collates ] in evenflow.runtime.collate_extras):
 
     - image: ``pixel_values`` ``[num_patches, 1176]`` and ``image_grid_thw`` ``[1, 3]`` (Qwen2-VL; the batch
       concatenates them over images), placeholders ``<|vision_start|> <|image_pad|> x n <|vision_end|>``;
@@ -96,7 +96,7 @@ class MultimodalChatDataset(torch.utils.data.Dataset):
 
     Item keys: ``input_ids``, ``labels`` (LongTensor[n]); ``pixel_values`` (float32 ``[num_patches, 1176]``,
     zero rows without an image); ``audio_features`` (float32 ``[num_frames, 80]``); ints ``num_patches``,
-    ``num_frames``, ``num_image_tokens``, ``num_audio_tokens`` and ``kind`` (index into :data:`KINDS`).
+    ``num_frames``, ``num_image_tokens``, ``num_audio_tokens`` and ``kind`` (index into [`KINDS`][KINDS]).
     ``layout="hf"``: only the media keys a sample has, in the form HF models take (NOTE [ The HF layout of
     multimodal samples ]).
     """

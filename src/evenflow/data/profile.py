@@ -2,8 +2,8 @@
 
 ``length_profile`` summarizes realized lengths; ``recommend_budget`` turns a memory model ("this many padded
 tokens fit in one batch") into a ``token_budget`` and predicts, with the same planner the loader runs
-(:func:`evenflow.plan_groups`), how well dynamic batches fill it compared with the fixed batch size a user
-would pick to avoid running out of memory (the largest one whose batches of the longest sample still fit).
+([`evenflow.plan_groups()`][evenflow.plan_groups]), how well dynamic batches fill it compared with the fixed batch size
+a user would pick to avoid running out of memory (the largest one whose batches of the longest sample still fit).
 
 Padded efficiency = real tokens / (samples x longest sample), summed over batches. Budget utilization = real
 tokens per batch / token budget: how much of the memory each step actually uses. Example, budget 4096,

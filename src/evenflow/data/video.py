@@ -2,14 +2,14 @@
 
 Qwen2-VL cuts a video into temporal patches of ``temporal_patch_size = 2`` frames: one patch row holds
 ``[3 channels, 2 frames, 14, 14]`` pixels. The image processor makes one such row from a still image by
-repeating it in both frame slots; :func:`pan_video` processes ``frames`` crops of one photo (a window moving
+repeating it in both frame slots; [`pan_video()`][pan_video] processes ``frames`` crops of one photo (a window moving
 left to right, all resized to the same size), then pairs consecutive frames into rows -- frame ``2k`` in slot 0,
 frame ``2k + 1`` in slot 1 -- which is the layout the processor gives a video. Grid ``(frames // 2, h, w)``,
 ``frames // 2 * h * w // 4`` ``<|video_pad|>`` tokens.
 
-:class:`VideoChatDataset` turns a seeded fraction of the image samples of a
-:class:`~evenflow.data.multimodal.MultimodalChatDataset` (``layout="hf"``) into video samples of the same photo:
-``<|vision_start|> <|video_pad|> x n <|vision_end|>``, ``pixel_values_videos``, ``video_grid_thw``,
+[`VideoChatDataset`][VideoChatDataset] turns a seeded fraction of the image samples of a
+[`MultimodalChatDataset`][evenflow.data.multimodal.MultimodalChatDataset] (``layout="hf"``) into video samples of the
+same photo: ``<|vision_start|> <|video_pad|> x n <|vision_end|>``, ``pixel_values_videos``, ``video_grid_thw``,
 ``mm_token_type_ids`` 2 on the video tokens, ``num_patches`` = the video's patch rows (so one
 ``extra_budgets={"num_patches": P}`` budgets images and videos alike).
 """

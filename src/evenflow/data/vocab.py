@@ -53,7 +53,7 @@ class VocabRemap:
                     extra_ids: Iterable[int] = ()) -> VocabRemap:
         """Build from per-id occurrence counts (``counts[id]``; its length is the full vocabulary size).
 
-        ``max_size`` caps :attr:`size` (``unk`` included): the ``max_size - 1`` most frequent ids are kept (ties
+        ``max_size`` caps [`size`][size] (``unk`` included): the ``max_size - 1`` most frequent ids are kept (ties
         broken by smaller id), ``extra_ids`` always; the rest become ``unk``. On 1,000 chitchat chats the top
         4,095 ids cover ~95 % of tokens. ``None`` keeps every id seen.
 

@@ -3,15 +3,15 @@
 A window is the list of micro-batches of one optimizer step plus the step's global supervised-token count (the
 denominator of the exact per-token loss, and the input of the LR rule):
 
-- ``hf_default``, ``group_by_length``: the dry run's plan (:mod:`evenflow.demo.steps`), each rank's micro-batches
-  through a ``DataLoader`` (``batch_sampler=`` the plan, ``PadCollate``: padded to the longest). The global token
-  count takes one all_reduce per window over the whole window fetched ahead -- what HF's ``Trainer`` does for
-  ``num_items_in_batch`` with ``average_tokens_across_devices``.
+- ``hf_default``, ``group_by_length``: the dry run's plan ([`evenflow.demo.steps`][evenflow.demo.steps]), each rank's
+  micro-batches through a ``DataLoader`` (``batch_sampler=`` the plan, ``PadCollate``: padded to the longest). The
+  global token count takes one all_reduce per window over the whole window fetched ahead -- what HF's ``Trainer`` does
+  for ``num_items_in_batch`` with ``average_tokens_across_devices``.
 - ``trl_packing``: TRL's packs (``pack_dataset``, best fit decreasing) the same way, one per rank and step,
   collated by TRL's own padding-free ``DataCollatorForLanguageModeling`` (``position_ids`` restart per sequence,
   the first label of each masked). Through this loop, not ``SFTTrainer``: the loop is what every arm shares.
-- ``evenflow`` / ``evenflow_summed``: :class:`evenflow.DynamicBatchLoader` with its defaults, ``cost="padded"`` or
-  ``"summed"`` (one packed row per batch, ``FlatCollate``), one batch per rank per step.
+- ``evenflow`` / ``evenflow_summed``: [`evenflow.DynamicBatchLoader`][evenflow.DynamicBatchLoader] with its defaults,
+  ``cost="padded"`` or ``"summed"`` (one packed row per batch, ``FlatCollate``), one batch per rank per step.
 
 A rank with no micro-batch in a step (the last of an odd number of packs) backpropagates an IDLE placeholder, so
 DDP's gradient all-reduce still meets on every rank.

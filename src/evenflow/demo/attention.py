@@ -16,7 +16,8 @@ NOTE [ Packed attention on CPU ]
 
 Every arm of the demo runs it (the ranks build their models with ``attn_implementation=ATTENTION``), registered
 through transformers' public ``AttentionInterface``. No mask function is registered for the name, so the model
-builds no mask at all (masks are for padding the loss ignores: NOTE in :func:`evenflow.demo.train.sum_loss`).
+builds no mask at all (masks are for padding the loss ignores: NOTE in
+[`evenflow.demo.train.sum_loss()`][evenflow.demo.train.sum_loss]).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 __all__ = ["ATTENTION", "register", "segment_causal_attention"]
 
 ATTENTION = "evenflow_demo_segments"
-"""The name under which :func:`register` adds :func:`segment_causal_attention` to transformers."""
+"""The name under which [`register()`][register] adds [`segment_causal_attention()`][segment_causal_attention] to
+transformers."""
 
 
 def segment_bounds(position_ids: torch.Tensor | None, length: int) -> list[int]:
@@ -48,7 +50,8 @@ def segment_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``
-    -> ``[B, T, H, D]``. ``attention_mask`` is ``None`` (no mask function is registered for :data:`ATTENTION`)."""
+    -> ``[B, T, H, D]``. ``attention_mask`` is ``None`` (no mask function is registered for
+    [`ATTENTION`][ATTENTION])."""
     if attention_mask is not None or dropout:
         raise ValueError("segment_causal_attention takes no mask and no dropout: the demo pads on the right and "
                          "never attends to a pad (NOTE [ Packed attention on CPU ])")
@@ -60,7 +63,8 @@ def segment_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 def register() -> str:
-    """Add :func:`segment_causal_attention` to transformers' ``AttentionInterface`` (idempotent); returns its name."""
+    """Add [`segment_causal_attention()`][segment_causal_attention] to transformers' ``AttentionInterface``
+    (idempotent); returns its name."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, segment_causal_attention)

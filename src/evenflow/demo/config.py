@@ -25,7 +25,7 @@ class DemoConfig:
 
     The defaults are the setting of ``benchmarks/quality_replay.py`` (which holds out 256 chats instead of 48):
     the verdict quotes the replay's intervals only when the fields that change what trains are these
-    (:func:`evenflow.demo.replay.same_setting`)."""
+    ([`evenflow.demo.replay.same_setting()`][evenflow.demo.replay.same_setting])."""
 
     train_samples: int = 1000
     """Chitchat conversations trained on (a seeded random subset of those with a reply)."""
@@ -57,7 +57,7 @@ class DemoConfig:
     their users do. With a rule, the replay's intervals are for another setting and the verdict says so."""
     buffer_size: int | None = None
     """The evenflow arms' ``DynamicBatchLoader(buffer_size=)``, per rank; ``None``: the library's default (4,096),
-    which the demo uses since the default plans mixed, unordered steps (issue 18; the demo pinned 128 before,
+    which the demo uses since the default plans mixed, unordered steps (the demo pinned 128 before,
     when a buffer holding a whole shard made steps length-homogeneous and ordered like a curriculum)."""
     warmup_fraction: float = 0.05
     """Linear warm-up over this fraction of each arm's optimizer steps, then cosine decay."""

@@ -2,8 +2,8 @@
 
 evenflow's step count is not known from the data alone -- it is what the loader's planner does with the realized
 lengths -- so the demo runs the real planners of the policy the loader's defaults resolve to (global planning at 2
-ranks: :func:`evenflow.sim.global_schedule`, which equals the loader step for step; a fraction of a second) and
-sizes the HF arms from it (:mod:`evenflow.demo.steps`):
+ranks: [`evenflow.sim.global_schedule()`][evenflow.sim.global_schedule], which equals the loader step for step; a
+fraction of a second) and sizes the HF arms from it ([`evenflow.demo.steps`][evenflow.demo.steps]):
 
     evenflow:   1,000 chats in 117 optimizer steps (8.5 chats a step, both ranks)
     HF default: batch 1 per rank (a batch of 2 would pad past 4,096 tokens somewhere in the epoch), the epoch
@@ -12,7 +12,7 @@ sizes the HF arms from it (:mod:`evenflow.demo.steps`):
 
 The HF and TRL arms then train exactly these plans; the evenflow arms run ``DynamicBatchLoader``, whose steps the
 same planners predict (``optimizer_steps == planned`` is checked by the tests). Each arm's composition
-(:func:`evenflow.sim.step_composition`) goes to the JSON.
+([`evenflow.sim.step_composition()`][evenflow.sim.step_composition]) goes to the JSON.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ class ArmPlan:
     peak_tokens: int
     """Largest micro-batch in tokens: rows x longest (padded) or the packed row's length."""
     fingerprint: str
-    """:func:`evenflow.demo.steps.schedule_fingerprint`: which samples each step holds, as the replay stores it."""
+    """[`evenflow.demo.steps.schedule_fingerprint()`][evenflow.demo.steps.schedule_fingerprint]: which samples each step
+    holds, as the replay stores it."""
     composition: dict
-    """H, H_g, late, q_cv, rough, timing of the steps (:func:`evenflow.sim.step_composition`, one batch per rank
+    """H, H_g, late, q_cv, rough, timing of the steps
+    ([`evenflow.sim.step_composition()`][evenflow.sim.step_composition], one batch per rank
     and optimizer step)."""
     per_rank: list = field(default_factory=list, repr=False)
     """``per_rank[s][r]`` = rank r's micro-batches (sample-id lists) at step s: what the HF and TRL arms train.

@@ -1,13 +1,13 @@
 """The quality verdict from stored replay rows: one seed of the demo decides little, many paired seeds do.
 
-``benchmarks/quality_replay.py`` trains each arm's exact steps (:mod:`evenflow.demo.steps`) in one process for
-many seeds and appends one JSON row per (data, arm, seed) to ``benchmarks/results/quality_replay.jsonl``. For an
-arm and the reference, the paired per-seed differences of held-out loss give a mean and a 95 % bootstrap
+``benchmarks/quality_replay.py`` trains each arm's exact steps ([`evenflow.demo.steps`][evenflow.demo.steps]) in one
+process for many seeds and appends one JSON row per (data, arm, seed) to ``benchmarks/results/quality_replay.jsonl``.
+For an arm and the reference, the paired per-seed differences of held-out loss give a mean and a 95 % bootstrap
 interval over seeds, and the verdict word follows from the interval alone:
 
     interval entirely below 0 -> "better"; entirely above 0 -> "worse"; straddling 0 -> "within noise"
 
-and "no interval" -- said, not faked -- when fewer than :data:`MIN_SEEDS` paired seeds exist, the demo's setting
+and "no interval" -- said, not faked -- when fewer than [`MIN_SEEDS`][MIN_SEEDS] paired seeds exist, the demo's setting
 is not the replay's, the rows are not found (an installed package has no ``benchmarks/``), or the stored rows
 are not the steps this demo's arm trains today (checked on the demo's own seed: the row's schedule fingerprint,
 or, for rows stored before fingerprints, its optimizer step count).
@@ -73,7 +73,7 @@ def replay_arm(arm: str, config: DemoConfig) -> str | None:
 
 
 def same_setting(config: DemoConfig) -> list[str]:
-    """The fields (other than :data:`NOT_TRAINING`) in which ``config`` differs from the replay's setting."""
+    """The fields (other than [`NOT_TRAINING`][NOT_TRAINING]) in which ``config`` differs from the replay's setting."""
     base = DemoConfig()
     return [f.name for f in fields(DemoConfig) if f.name not in NOT_TRAINING and f.name != "lr_scaling"
             and getattr(config, f.name) != getattr(base, f.name)]
@@ -111,7 +111,7 @@ def word(ci95: tuple[float, float]) -> str:
 
 def compare(arm: str, rows: Sequence[Mapping[str, Any]], config: DemoConfig, *,
             own: Mapping[str, Mapping[str, Any]]) -> Comparison:
-    """``arm`` against :data:`REFERENCE` from ``rows``; ``own[name]`` = the demo's ``{"fingerprint", "steps"}``
+    """``arm`` against [`REFERENCE`][REFERENCE] from ``rows``; ``own[name]`` = the demo's ``{"fingerprint", "steps"}``
     for its seed, to check that the rows are the steps the demo trains."""
     name, ref = replay_arm(arm, config), replay_arm(REFERENCE, config)
 

@@ -1,20 +1,20 @@
 """Which samples each optimizer step of an arm holds, on which rank: the one definition the demo trains and
 ``benchmarks/quality_replay.py`` replays, so a stored replay row and the demo's arm of the same seed are the same
-steps (:func:`schedule_fingerprint` checks it).
+steps ([`schedule_fingerprint()`][schedule_fingerprint] checks it).
 
 Every function is pure (lengths, seed, sizes -> sample ids); none touches a model or ``torch.distributed``.
 
-- :func:`matched_random_steps` -- HF ``Trainer``'s default: a seeded random order, padded micro-batches of
-  ``batch_size`` samples, the epoch split into exactly evenflow's number of optimizer steps (the replay's
-  ``fixed_matched``). HF's ``gradient_accumulation_steps`` is an integer: with 1,000 chats, batch 1 per rank and 2
-  ranks, 4 gives 125 steps and 5 gives 100 against evenflow's 117, so the split takes 4 or 5 micro-batches per
+- [`matched_random_steps()`][matched_random_steps] -- HF ``Trainer``'s default: a seeded random order, padded
+  micro-batches of ``batch_size`` samples, the epoch split into exactly evenflow's number of optimizer steps (the
+  replay's ``fixed_matched``). HF's ``gradient_accumulation_steps`` is an integer: with 1,000 chats, batch 1 per rank
+  and 2 ranks, 4 gives 125 steps and 5 gives 100 against evenflow's 117, so the split takes 4 or 5 micro-batches per
   rank (8 or 9 samples a step) to land on 117 exactly -- the comparison is at the same number of updates.
-- :func:`length_grouped_steps` -- ``TrainingArguments(group_by_length=True)``: HF's own
+- [`length_grouped_steps()`][length_grouped_steps] -- ``TrainingArguments(group_by_length=True)``: HF's own
   ``get_length_grouped_indices`` (megabatches of 50 x batch x accumulation, each sorted longest first), split the
   same way.
-- :func:`trl_packs` / :func:`pack_steps` -- TRL's packing: ``trl.data_utils.pack_dataset(strategy="bfd")`` (best
-  fit decreasing into rows of ``token_budget`` tokens), the packs in a seeded random order (``Trainer``'s
-  sampler), one pack per rank and optimizer step.
+- [`trl_packs()`][trl_packs] / [`pack_steps()`][pack_steps] -- TRL's packing:
+  ``trl.data_utils.pack_dataset(strategy="bfd")`` (best fit decreasing into rows of ``token_budget`` tokens), the packs
+  in a seeded random order (``Trainer``'s sampler), one pack per rank and optimizer step.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def peak_tokens(plan: StepPlan, lengths: np.ndarray, layout: str = "padded") -> 
 
 
 def largest_batch_size(lengths: np.ndarray, num_steps: int, *, token_budget: int, world_size: int, seed: int) -> int:
-    """The largest per-rank batch size whose epoch of random batches (:func:`matched_random_steps`, dealt) never
-    pads a micro-batch past ``token_budget``: what a user finds by trying batch sizes until the epoch fits."""
+    """The largest per-rank batch size whose epoch of random batches ([`matched_random_steps()`][matched_random_steps],
+    dealt) never pads a micro-batch past ``token_budget``: what a user finds by trying batch sizes until the epoch
+    fits."""
     steps = matched_random_steps(len(lengths), num_steps, seed)
     batch = 1
     while batch < len(lengths) and peak_tokens(deal(steps, batch + 1, world_size), lengths) <= token_budget:

@@ -2,9 +2,9 @@
 
 The arms share everything but the batching (evenflow.demo.arms): the model init (seeded), its attention
 (NOTE [ Packed attention on CPU ] in evenflow.demo.attention), AdamW, the LR schedule in each arm's optimizer
-steps (:func:`~evenflow.demo.config.schedule_factor`; a token LR rule only if ``DemoConfig.lr_scaling`` asks,
-:class:`evenflow.TokenLRScaler`), gradient clipping, DDP over gloo, one DataLoader worker per rank, and the exact
-global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every
+steps ([`schedule_factor()`][evenflow.demo.config.schedule_factor]; a token LR rule only if ``DemoConfig.lr_scaling``
+asks, [`evenflow.TokenLRScaler`][evenflow.TokenLRScaler]), gradient clipping, DDP over gloo, one DataLoader worker per
+rank, and the exact global per-token loss (NOTE [ Loss scale ] in evenflow.planning.loss): every
 rank backpropagates ``sum_loss_r * W / T_window`` so DDP's gradient average is the per-token mean of the whole
 optimizer step.
 
@@ -56,8 +56,8 @@ def build_model(config: DemoConfig, vocab_size: int, *, attention: str = "sdpa")
     """A tiny Qwen3-architecture causal LM, random init from ``config.seed`` (no weights are downloaded).
 
     ``attention``: transformers' attention implementation. The demo's ranks pass
-    :data:`evenflow.demo.attention.ATTENTION` (NOTE [ Packed attention on CPU ]); the default, stock ``sdpa``, is
-    what ``benchmarks/quality_replay.py`` trains with (the same math).
+    [`evenflow.demo.attention.ATTENTION`][evenflow.demo.attention.ATTENTION] (NOTE [ Packed attention on CPU ]); the
+    default, stock ``sdpa``, is what ``benchmarks/quality_replay.py`` trains with (the same math).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -3,7 +3,7 @@
 - dispatch.py     -- samples or rows to their destination ranks in one ``all_to_all_single``; a differentiable
                      exchange of rows whose backward is the inverse exchange
 - orchestrator.py -- ``GlobalOrchestrator``: one multi-phase step (vision encoder, audio encoder, LLM), planned by
-                     :mod:`evenflow.balance.phases` and moved here
+                     [`evenflow.balance.phases`][evenflow.balance.phases] and moved here
 - failures.py     -- how a rank's failure travels in the step's exchanges
 
 The global orchestrator for multi-phase models: a balanced plan per phase.
@@ -13,7 +13,7 @@ One step, on every rank of ``group``:
 1. ``gather_metadata`` / ``gather_examples`` -- the only exchange planning needs, one fixed-width all_gather
    (NOTE [ One metadata exchange ] in ``orchestrator.py``): per example its LLM length, supervised tokens and, per
    media item, its input rows and its integers (``PhaseSpec.meta_width``: a grid, a kind).
-2. ``plan_step`` -- pure: one :func:`~evenflow.balance.planners.plan_balance` per phase. Images go to
+2. ``plan_step`` -- pure: one [`plan_balance()`][evenflow.balance.planners.plan_balance] per phase. Images go to
    balanced *vision* ranks, audio clips to balanced *audio* ranks, examples to balanced *LLM* ranks, each
    phase under its own cost rule (``PhaseSpec.item_cost``), output-length rule (``PhaseSpec.output_rows``)
    and per-rank row cap (``PhaseSpec.max_rows_per_rank``). It needs metadata only, so the plan for step t+1
@@ -36,15 +36,16 @@ NOTE [ Composed routing ]
 NOTE [ Gradients do not depend on the plan ]
     Moving an example between data-parallel ranks changes where its loss is computed, not its value, as long
     as the loss is normalized by the global supervised token count (``plan.total_loss_tokens``) and gradients
-    are summed across ranks (NOTE [ Loss scale ] in :mod:`evenflow.planning.loss`). The encoders have no
-    cross-item interaction (no batch norm), so each item's output is the same wherever it is encoded; the
+    are summed across ranks (NOTE [ Loss scale ] in [`evenflow.planning.loss`][evenflow.planning.loss]). The encoders
+    have no cross-item interaction (no batch norm), so each item's output is the same wherever it is encoded; the
     backward of the all-to-all returns each output's gradient to the rank that encoded it.
 
 Every rank runs every encoder every step, with zero rows if it encodes nothing, so DDP/FSDP collectives on
 encoder parameters never diverge (and the all-to-all backward, which every rank must enter, is reached).
 
-The pure half -- configuration, metadata, ``plan_step``, ``rank_routing`` -- is :mod:`evenflow.balance.phases`;
-stock Hugging Face VLMs on top of both: :mod:`evenflow.vlm`.
+The pure half -- configuration, metadata, ``plan_step``, ``rank_routing`` -- is
+[`evenflow.balance.phases`][evenflow.balance.phases]; stock Hugging Face VLMs on top of both:
+[`evenflow.vlm`][evenflow.vlm].
 """
 
 from __future__ import annotations

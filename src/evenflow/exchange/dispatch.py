@@ -1,10 +1,11 @@
 """The thin torch.distributed part of balancing: move samples or rows with one ``all_to_all_single``.
 
-Everything else in :mod:`evenflow.balance` is pure planning; this module only packs, exchanges and unpacks.
+Everything else in [`evenflow.balance`][evenflow.balance] is pure planning; this module only packs, exchanges and
+unpacks.
 
-* :func:`exchange_samples` -- dicts of tensors (any dtypes and shapes) to their destination ranks. Used at
-  the loader level with CPU tensors over the gloo group, or with device tensors over any group.
-* :func:`all_to_all_rows` -- a differentiable exchange of the rows of one tensor; its backward is the
+* [`exchange_samples()`][exchange_samples] -- dicts of tensors (any dtypes and shapes) to their destination ranks. Used
+  at the loader level with CPU tensors over the gloo group, or with device tensors over any group.
+* [`all_to_all_rows()`][all_to_all_rows] -- a differentiable exchange of the rows of one tensor; its backward is the
   inverse exchange (the received gradient rows go back to where the rows came from).
 
 NOTE [ Every rank enters every collective ]
@@ -39,8 +40,8 @@ def _group_info(group: dist.ProcessGroup) -> tuple[int, int]:
 def arrival_order(dests_by_source: Sequence[Sequence[int]], rank: int) -> list[tuple[int, int]]:
     """Which ``(source rank, position)`` each sample received by ``rank`` comes from, in arrival order.
 
-    :func:`exchange_samples` delivers samples ordered by source rank, then by position at the source. Every
-    rank can compute this from the (shared) plan without another exchange.
+    [`exchange_samples()`][exchange_samples] delivers samples ordered by source rank, then by position at the source.
+    Every rank can compute this from the (shared) plan without another exchange.
 
     >>> arrival_order([[1, 0, 1], [1]], 1)
     [(0, 0), (0, 2), (1, 0)]
@@ -77,7 +78,7 @@ def exchange_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequen
     """Send ``samples[i]`` to rank ``dest[i]`` of ``group``; return what this rank receives.
 
     Samples are dicts of tensors (any dtype, shape, number of keys). The result is ordered by source rank,
-    then by position at the source (:func:`arrival_order`). A rank may send and receive nothing; it still
+    then by position at the source (`arrival_order()`). A rank may send and receive nothing; it still
     takes part (NOTE [ Every rank enters every collective ]). Two collectives: the byte counts, then one
     ``all_to_all_single`` of buffers that hold each destination's header (keys, dtypes, shapes; JSON) and
     data. ``device`` holds the buffers: ``"cpu"`` for gloo, the rank's GPU for NCCL. Received tensors are
@@ -89,15 +90,17 @@ def exchange_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequen
 
 def pack_samples(samples: Sequence[Mapping[str, torch.Tensor]], dest: Sequence[int], world: int, *,
                  device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """The first half of :func:`exchange_samples`: one uint8 buffer per destination rank, exactly the bytes
-    :func:`exchange_packed` sends (a caller that counts the bytes it moves reads ``numel()``)."""
+    """The first half of [`exchange_samples()`][exchange_samples]: one uint8 buffer per destination rank, exactly the
+    bytes
+    [`exchange_packed()`][exchange_packed] sends (a caller that counts the bytes it moves reads ``numel()``)."""
     per_dest = _per_destination(samples, dest, world)
     return [_pack(samples, per_dest[d], device) for d in range(world)]
 
 
 def exchange_packed(chunks: Sequence[torch.Tensor], *, group: dist.ProcessGroup,
                     device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
-    """The second half of :func:`exchange_samples`: send ``chunks[d]`` (from :func:`pack_samples`) to rank d."""
+    """The second half of [`exchange_samples()`][exchange_samples]: send ``chunks[d]`` (from
+    [`pack_samples()`][pack_samples]) to rank d."""
     rank, world = _group_info(group)
     if len(chunks) != world:
         raise ValueError(f"got {len(chunks)} buffers for a group of {world} ranks; pack one per rank")
@@ -162,7 +165,7 @@ def _pack(samples: Sequence[Mapping[str, torch.Tensor]], positions: list[int],
 
 
 def _unpack(chunk: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """The samples of one source's buffer (the inverse of :func:`_pack`), as fresh tensors."""
+    """The samples of one source's buffer (the inverse of [`_pack()`][_pack]), as fresh tensors."""
     head_len = int(chunk[:8].cpu().view(torch.int64).item())
     header = json.loads(chunk[8:8 + head_len].cpu().numpy().tobytes().decode()) if head_len else []
     base = 8 + head_len + (-(8 + head_len) % ALIGN)

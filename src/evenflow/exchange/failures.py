@@ -8,15 +8,15 @@ NOTE [ Failures inside a step ]
 
     - before any data moves (building its examples: a grid that does not match its rows, placeholders that do
       not match an item's output rows): in the metadata exchange, whose row holds a status word and then the
-      failure's detail instead of the metadata (:func:`metadata_row`);
+      failure's detail instead of the metadata ([`metadata_row()`][metadata_row]);
     - while moving or encoding (an encoder that raises): in the output exchange, whose chunk to every
-      destination starts with :func:`header_rows` status rows (the detail's bytes, one per value: exact in
+      destination starts with [`header_rows()`][header_rows] status rows (the detail's bytes, one per value: exact in
       float16 and bfloat16), when ``OrchestratorConfig.output_dim`` says how wide they are; otherwise in one
       all_gather of the detail before the output exchange.
 
     The failing rank re-raises its own exception, with a note naming its rank; every other rank raises
-    :class:`~evenflow.PeerError` naming the first failing rank, the exception's type and message, and the
-    dataset index of the sample when the failure names one (:class:`ExampleError`).
+    [`PeerError`][evenflow.PeerError] naming the first failing rank, the exception's type and message, and the
+    dataset index of the sample when the failure names one ([`ExampleError`][ExampleError]).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["ExampleError", "detail_row", "header_count", "header_rows", "read_he
 
 STATUS_OK, STATUS_FAILED = 0, 1
 DETAIL_BYTES = DETAIL_WIDTH * 8
-"""Bytes of one failure report (:func:`evenflow.errors.encode_detail`)."""
+"""Bytes of one failure report ([`evenflow.errors.encode_detail()`][evenflow.errors.encode_detail])."""
 
 
 def detail_row(exc: BaseException | None) -> np.ndarray:
@@ -55,14 +55,14 @@ def header_rows(exc: BaseException | None, width: int, *, dtype: torch.dtype, de
 
 
 def read_header(rows: torch.Tensor) -> np.ndarray:
-    """The int64 report held by status rows from :func:`header_rows`."""
+    """The int64 report held by status rows from [`header_rows()`][header_rows]."""
     values = rows.detach().reshape(-1)[:DETAIL_BYTES].to(torch.float64).cpu().numpy()
     return np.rint(values).astype(np.uint8).view(np.int64)
 
 
 def raise_shared(rows: np.ndarray, own: BaseException | None, *, rank: int, where: str) -> None:
     """Raise on every rank when any row reports a failure: ``own`` on the rank that failed (with a note),
-    :class:`~evenflow.PeerError` naming the first failing rank on every other. ``rows``: one report per rank."""
+    [`PeerError`][evenflow.PeerError] naming the first failing rank on every other. ``rows``: one report per rank."""
     if own is not None:
         if hasattr(own, "add_note"):
             own.add_note(f"evenflow: raised on rank {rank} {where}; every other rank raises PeerError there")

@@ -1,11 +1,13 @@
 """The orchestrator's tensors and its only ``torch.distributed`` calls: metadata exchange, data moves, encoder
-output routing (the design: :mod:`evenflow.exchange`).
+output routing (the design: [`evenflow.exchange`][evenflow.exchange]).
 
 NOTE [ One metadata exchange ]
     Planning needs every rank's metadata. Each rank puts a status word, its payload length, its plan key
-    (NOTE [ The plan key ] in ``meta.py``) and the first ``metadata_words - 3`` words of its metadata
-    (:func:`encode_metadata`) into one fixed-width all_gather; the lengths tell every rank at once whether
-    anyone overflowed, and only then a second all_gather carries the rest (padded to the longest overflow), on
+    (NOTE [ The plan key ] in ``meta.py``), the caller's ``STAMP_WORDS`` stamp words (what the ranks must agree
+    on beyond the plan: the balanced VLM step's loader step and a parameter checksum) and the first
+    ``metadata_words - 6`` words of its metadata
+    ([`encode_metadata()`][encode_metadata]) into one fixed-width all_gather; the lengths tell every rank at once
+    whether anyone overflowed, and only then a second all_gather carries the rest (padded to the longest overflow), on
     every rank. So a step costs one metadata collective unless a rank holds more than ``metadata_words`` words
     (~40 examples with one image at the default), a failed rank's report rides the same exchange (NOTE
     [ Failures inside a step ] in ``failures.py``), and so does the check that every rank plans alike.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -28,11 +31,17 @@ from ..planning.loss import LossTokenRule, count_loss_tokens
 from .dispatch import all_to_all_rows
 from .failures import STATUS_FAILED, detail_row, header_rows, raise_shared, read_header
 
-__all__ = ["Encoder", "ExampleInputs", "LLMInputs", "GlobalOrchestrator", "local_step", "check_examples"]
+__all__ = ["Encoder", "ExampleInputs", "LLMInputs", "GlobalOrchestrator", "local_step", "check_examples",
+           "STAMP_WORDS"]
 
-_HEADER_WORDS = 3
-"""Words before a rank's metadata in its exchange row: status, payload length, plan key."""
+STAMP_WORDS = 3
+"""Caller words on each rank's exchange row (``gather_examples(stamp=)``), gathered as
+[`GlobalOrchestrator.stamps`][GlobalOrchestrator.stamps] for the caller to compare (0 where not given)."""
+_HEADER_WORDS = 3 + STAMP_WORDS
+"""Words before a rank's metadata in its exchange row: status, payload length, plan key, the stamp."""
 
+SendBuffers = tuple[torch.Tensor, dict[str, torch.Tensor]]
+"""A step's first sends: ``[rows, text_columns]`` int64 text rows and, per encoder phase, its input rows."""
 Encoder = Callable[..., torch.Tensor]
 """``encoder(rows, item_rows) -> output rows``; for a phase with ``meta_width > 0``,
 ``encoder(rows, item_rows, item_meta)`` with ``item_meta`` int64 ``[items, meta_width]``. ``rows`` packs the
@@ -208,19 +217,27 @@ class GlobalOrchestrator:
         self.world_size = dist.get_world_size(group)
         self.plan_key = config.plan_key()
         """Checked against every rank's in each metadata exchange (NOTE [ The plan key ])."""
+        self.stamps = np.zeros((self.world_size, STAMP_WORDS), dtype=np.int64)
+        """Every rank's stamp words of the last metadata exchange (``[world, STAMP_WORDS]``)."""
 
     # -- metadata --------------------------------------------------------------------------------------------
     def gather_metadata(self, local: Sequence[ExampleMeta], *, failure: BaseException | None = None,
-                        device: torch.device | str = "cpu") -> list[list[ExampleMeta]]:
+                        device: torch.device | str = "cpu", stamp: Sequence[int] = (),
+                        timeout: timedelta | None = None) -> list[list[ExampleMeta]]:
         """Every rank's metadata (NOTE [ One metadata exchange ]). Collective.
 
         ``failure``: this rank could not build its examples; it is raised here on this rank and as
-        :class:`~evenflow.PeerError` on every other (NOTE [ Failures inside a step ]).
+        [`PeerError`][evenflow.PeerError] on every other (NOTE [ Failures inside a step ]). ``stamp``: up to
+        ``STAMP_WORDS`` integers every rank sees in [`stamps`][stamps]. ``timeout``: bound on the wait for the
+        first exchange (``TimeoutError`` past it: a rank that did not enter it); ``None``: the group's own.
         """
         config, width = self.config, self.config.metadata_words
         head_words = width - _HEADER_WORDS
         row = np.zeros(width, dtype=np.int64)
         row[2] = self.plan_key
+        if len(stamp) > STAMP_WORDS:
+            raise ValueError(f"stamp holds {len(stamp)} words, at most {STAMP_WORDS}")
+        row[3:3 + len(stamp)] = np.asarray(stamp, dtype=np.int64)
         flat = np.zeros(0, dtype=np.int64)
         if failure is None:
             try:
@@ -234,7 +251,8 @@ class GlobalOrchestrator:
             row[1] = flat.size
             head = flat[:head_words]
             row[_HEADER_WORDS:_HEADER_WORDS + head.size] = head
-        table = self._all_gather(row, device)
+        table = self._all_gather(row, device, timeout)
+        self.stamps = table[:, 3:_HEADER_WORDS].copy()
         failed = table[:, 0] == STATUS_FAILED
         reports = np.where(failed[:, None], table[:, _HEADER_WORDS:_HEADER_WORDS + DETAIL_WIDTH], 0)
         raise_shared(reports, failure, rank=self.rank, where="while building this step's examples")
@@ -263,7 +281,8 @@ class GlobalOrchestrator:
                             "rank (NOTE [ The plan key ])", None, this_rank=self.rank)
 
     def gather_examples(self, build: Callable[[], Sequence[ExampleInputs]], *, rule: LossTokenRule = LossTokenRule(),
-                        device: torch.device | str = "cpu") -> tuple[list[ExampleInputs], list[list[ExampleMeta]]]:
+                        device: torch.device | str = "cpu", stamp: Sequence[int] = (),
+                        timeout: timedelta | None = None) -> tuple[list[ExampleInputs], list[list[ExampleMeta]]]:
         """``build()`` this rank's examples, check them, and gather everyone's metadata. Collective.
 
         An exception from ``build`` or from the checks does not leave this rank out of the exchange: it is
@@ -277,21 +296,36 @@ class GlobalOrchestrator:
             metas = [ex.meta(self.config, rule) for ex in local]
         except Exception as exc:  # noqa: BLE001 - shared in the exchange below
             failure, metas = exc, []
-        return local, self.gather_metadata(metas, failure=failure, device=device)
+        return local, self.gather_metadata(metas, failure=failure, device=device, stamp=stamp, timeout=timeout)
 
-    def _all_gather(self, row: np.ndarray, device: torch.device | str) -> np.ndarray:
+    def _all_gather(self, row: np.ndarray, device: torch.device | str, timeout: timedelta | None = None
+                    ) -> np.ndarray:
         t = torch.from_numpy(row).to(device)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.group)
+        if timeout is None:
+            dist.all_gather(out, t, group=self.group)
+        else:
+            work = dist.all_gather(out, t, group=self.group, async_op=True)
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:  # gloo and NCCL report a timed-out wait as a RuntimeError
+                raise TimeoutError(f"rank {self.rank}: not every rank of the group entered the metadata exchange "
+                                   f"within {timeout.total_seconds():g} s") from exc
         return torch.stack(out).cpu().numpy()
 
     def plan(self, meta_by_rank: Sequence[Sequence[ExampleMeta]]) -> StepPlan:
-        """:func:`plan_step` with this orchestrator's config (pure; no communication)."""
+        """[`plan_step()`][plan_step] with this orchestrator's config (pure; no communication)."""
         if len(meta_by_rank) != self.world_size:
             raise ValueError(f"metadata for {len(meta_by_rank)} ranks, the group has {self.world_size}")
         return plan_step(meta_by_rank, self.config)
 
     # -- the step ----------------------------------------------------------------------------------------------
+    def send_buffers(self, plan: StepPlan, routing: RankRouting, local: Sequence[ExampleInputs],
+                     dtype: torch.dtype) -> SendBuffers:
+        """This rank's text rows and encoder inputs of ``plan`` in send order, on the host: what [`step()`][step]
+        sends first, built ahead of it (pure; raises when ``local`` is not what the plan was made from)."""
+        return self._send_buffers(plan, routing, local, dtype, "cpu")
+
     def _send_buffers(self, plan: StepPlan, routing: RankRouting, local: Sequence[ExampleInputs],
                       dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's text rows and encoder inputs in send order; raises when ``local`` is not what the plan
@@ -321,21 +355,27 @@ class GlobalOrchestrator:
         return text, inputs
 
     def step(self, plan: StepPlan, local: Sequence[ExampleInputs], encoders: Mapping[str, Encoder], *,
-             dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> LLMInputs:
+             dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+             routing: RankRouting | None = None, send: SendBuffers | None = None) -> LLMInputs:
         """Move the data of ``plan``, run the encoders, route their outputs. Collective on ``group``.
 
         Issues, in this order on every rank: one text all-to-all (token ids, labels and every token field), one
         input all-to-all per encoder phase, one differentiable all-to-all of all encoder outputs (its backward:
         one more, in ``loss.backward()``); plus one small all_gather before it when ``config.output_dim`` is
         unset. A rank that fails anywhere in between still enters them all, and every rank raises after the
-        output exchange (NOTE [ Failures inside a step ]).
+        output exchange (NOTE [ Failures inside a step ]). ``routing``: ``rank_routing(plan, rank)`` when it was
+        computed ahead (pure: the same either way); ``send``: [`send_buffers()`][send_buffers] of this step built ahead
+        (on the host: moved to ``device`` here).
         """
         config = self.config
         dtype = dtype or torch.get_default_dtype()
-        routing = rank_routing(plan, self.rank)
+        routing = rank_routing(plan, self.rank) if routing is None else routing
         failure: BaseException | None = None
         try:
-            text_send, inputs = self._send_buffers(plan, routing, local, dtype, device)
+            if send is None:
+                text_send, inputs = self._send_buffers(plan, routing, local, dtype, device)
+            else:
+                text_send, inputs = send[0].to(device), {p: x.to(device) for p, x in send[1].items()}
         except Exception as exc:  # noqa: BLE001 - this rank sends zeros shaped by the plan, reports it below
             failure = exc
             text_send = torch.zeros(sum(routing.text_send), config.text_columns, dtype=torch.int64, device=device)

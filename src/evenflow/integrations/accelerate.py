@@ -18,10 +18,10 @@ Written against accelerate 1.15. Why outside ``prepare``: ``prepare`` wraps only
 instances and returns any other object unchanged (tests/test_integrations.py checks this), so evenflow's batches
 would silently stay on the CPU; a prepared ``DataLoader`` would instead be re-sharded by rank, or with
 ``dispatch_batches`` broadcast from rank 0 -- both break variable-shape, rank-aligned batches. So the loader is
-never prepared, and :func:`device_batches` moves each batch with ``accelerate.utils.send_to_device``.
+never prepared, and [`device_batches()`][device_batches] moves each batch with ``accelerate.utils.send_to_device``.
 
 Why not ``accelerator.accumulate``: it syncs on its own step counter and on ``end_of_dataloader``, which only a
-prepared loader reports, so an epoch's last, shorter window would never sync. :func:`sync_window` uses the
+prepared loader reports, so an epoch's last, shorter window would never sync. [`sync_window()`][sync_window] uses the
 loader's ``StepInfo.window_end`` instead. ``accelerator.backward`` divides the loss by the Accelerator's
 ``gradient_accumulation_steps``; keep that at 1 (checked) -- ``loss_scale`` already normalizes the window.
 """

@@ -27,11 +27,12 @@ _FIXED = {"shuffle": False, "join": True, "grad_accum_steps": 1}
 
 
 def eval_loader(dataset: Dataset, *, token_budget: int, **options) -> DynamicBatchLoader:
-    """A :class:`DynamicBatchLoader` for evaluation: ``shuffle=False``, ``join=True``, ``grad_accum_steps=1``.
+    """A [`DynamicBatchLoader`][DynamicBatchLoader] for evaluation: ``shuffle=False``, ``join=True``,
+    ``grad_accum_steps=1``.
 
     Its own object and its own metadata group (construction is collective, like any loader), so evaluating never
     moves the training loader's position, epoch or state. Other options (``buffer_size``, ``num_workers``,
-    ``collate_fn``, ``process_group``...) are those of :class:`DynamicBatchLoader`.
+    ``collate_fn``, ``process_group``...) are those of [`DynamicBatchLoader`][DynamicBatchLoader].
     """
     clash = sorted(k for k in _FIXED if k in options and options[k] != _FIXED[k])
     if clash:

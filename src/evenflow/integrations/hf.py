@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers.Trainer`` with evenflow batches: :class:`DynamicBatchTrainer`.
+"""Hugging Face ``transformers.Trainer`` with evenflow batches: [`DynamicBatchTrainer`][DynamicBatchTrainer].
 
     trainer = DynamicBatchTrainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=4),
                                   train_dataset=tokenized, token_budget=16384)
@@ -108,20 +108,30 @@ _LOADER_PARAMS = frozenset(name for name, p in inspect.signature(DynamicBatchLoa
 _PACKING_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 
 
+def _has_encoder_tower(model: Any) -> bool:
+    """A multimodal model: its config has a vision or audio sub-config (Qwen2-VL, LLaVA, the Omni thinker...)."""
+    config = getattr(model, "config", None)
+    return any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config"))
+
+
 class DynamicBatchTrainer(Trainer):
-    """A ``transformers.Trainer`` whose training batches come from :class:`evenflow.DynamicBatchLoader`.
+    """A ``transformers.Trainer`` whose training batches come from
+    [`evenflow.DynamicBatchLoader`][evenflow.DynamicBatchLoader].
 
     ``token_budget`` and any other ``DynamicBatchLoader`` option (``buffer_size``, ``join``, ``cost``,
     ``collate_fn``, ``num_workers``...) are keyword arguments; unset data-loading options default from
     ``TrainingArguments`` (``dataloader_num_workers``, ``dataloader_pin_memory``, ``dataloader_persistent_workers``,
     ``dataloader_prefetch_factor``, ``dataloader_multiprocessing_context``, ``data_seed``/``seed``); an explicit
-    ``data_collator`` is the loader's ``collate_fn``. ``eval_token_budget`` makes :meth:`evaluate` use evenflow
+    ``data_collator`` is the loader's ``collate_fn``. ``eval_token_budget`` makes [`evaluate()`][evaluate] use evenflow
     batching and report the exact per-token loss. ``lr_scaling="sqrt"`` / ``"linear"`` (or a
-    :class:`evenflow.TokenLRRule`) scales every optimizer step's LR by its window's global supervised tokens
-    (evenflow.lr; the scaler is ``trainer.lr_scaler``). See NOTE [ HF Trainer contract ] for units, loss, epochs and
-    resume.
+    [`evenflow.TokenLRRule`][evenflow.TokenLRRule]) scales every optimizer step's LR by its window's global supervised
+    tokens (evenflow.lr; the scaler is ``trainer.lr_scaler``). See NOTE [ HF Trainer contract ] for units, loss, epochs
+    and resume.
 
-    The per-step :class:`~evenflow.integrations.metrics.StepMetrics` are added to every training log
+    A model with a vision or audio tower gets ``ddp_find_unused_parameters=True`` unless the arguments set it: a
+    text-only or IDLE batch leaves the tower out of the graph.
+
+    The per-step `StepMetrics` are added to every training log
     (``evenflow/imbalance``, ``evenflow/local_padded_efficiency``, ``evenflow/idle_steps``...).
     """
 
@@ -151,6 +161,11 @@ class DynamicBatchTrainer(Trainer):
             # A copy we own: the loader restores its exact position, HF must not skip batches on top of it.
             self.args = copy.copy(self.args)
             self.args.ignore_data_skip = True
+        if self.args.ddp_find_unused_parameters is None and _has_encoder_tower(self.model):
+            # A text-only or IDLE batch leaves the vision / audio tower out of the graph, and DDP without
+            # find_unused_parameters then fails in its next reduction (TRL sets it for VLMs too).
+            self.args = copy.copy(self.args)
+            self.args.ddp_find_unused_parameters = True
         self.token_budget = token_budget
         self.eval_token_budget = eval_token_budget
         self.lr_rule = TokenLRRule.coerce(lr_scaling)

@@ -1,8 +1,8 @@
 """How HF's epoch loop is fitted onto evenflow epochs (NOTE [ HF Trainer contract ] in evenflow.integrations.hf).
 
-- :class:`TrainBatches` -- the iterable ``Trainer`` trains on: one loader epoch per ``iter()``, the epoch's last
-  accumulation window completed with IDLE micro-batches, ``len()`` the per-epoch bound (or none, under max_steps).
-- :class:`EpochCallback` -- keeps ``TrainerState.epoch`` on the loader's epochs, ends HF's epoch loop when the
+- [`TrainBatches`][TrainBatches] -- the iterable ``Trainer`` trains on: one loader epoch per ``iter()``, the epoch's
+  last accumulation window completed with IDLE micro-batches, ``len()`` the per-epoch bound (or none, under max_steps).
+- [`EpochCallback`][EpochCallback] -- keeps ``TrainerState.epoch`` on the loader's epochs, ends HF's epoch loop when the
   requested evenflow epochs are done, writes each rank's loader state into every checkpoint folder.
 """
 

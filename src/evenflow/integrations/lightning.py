@@ -1,5 +1,6 @@
-"""Lightning: :class:`DynamicBatchDataModule` (+ :class:`EvenflowModule`, :class:`EvenflowCallback`,
-:class:`EvenflowProgressBar`, :func:`training_loss`).
+"""Lightning: [`DynamicBatchDataModule`][DynamicBatchDataModule] (+ [`EvenflowModule`][EvenflowModule],
+[`EvenflowCallback`][EvenflowCallback], [`EvenflowProgressBar`][EvenflowProgressBar],
+[`training_loss()`][training_loss]).
 
     dm = DynamicBatchDataModule(train_set, token_budget=8192, val_dataset=val_set)
     trainer = L.Trainer(accelerator="gpu", devices=8, strategy="ddp", accumulate_grad_batches=4,
@@ -18,22 +19,23 @@ Written against lightning 2.6. How each Lightning mechanism is kept exact:
 - Accumulation: the loader's ``grad_accum_steps`` is ``trainer.accumulate_grad_batches``. Lightning steps the
   optimizer every ``accumulate_grad_batches`` batches *and* on an epoch's last batch, which is exactly where
   evenflow's windows end. Lightning divides the returned loss by ``accumulate_grad_batches``; evenflow's
-  ``loss_scale`` already normalizes the whole window, so :func:`training_loss` multiplies that division back.
+  ``loss_scale`` already normalizes the whole window, so [`training_loss()`][training_loss] multiplies that division
+  back.
 - Epochs: one ``iter()`` of the train loader is one evenflow epoch; the loader (not Lightning's sampler hook,
   which only reaches ``torch`` samplers) owns the epoch number. The train loader has no ``len()``: Lightning
   then ends the epoch when the loader is exhausted and validates there (given a length -- evenflow's is only an
   upper bound -- it would wait for a batch count that never comes and skip end-of-epoch validation). So
   ``trainer.estimated_stepping_batches`` is infinite under ``max_epochs``: size LR schedules with
-  :meth:`DynamicBatchDataModule.planned_optimizer_steps` (exact, given the ``lengths=`` loader option) or
-  ``max_steps``.
-- Progress and ETA: the bound goes to the progress bar instead. :class:`EvenflowProgressBar` (a
+  [`DynamicBatchDataModule.planned_optimizer_steps()`][DynamicBatchDataModule.planned_optimizer_steps] (exact, given the
+  ``lengths=`` loader option) or ``max_steps``.
+- Progress and ETA: the bound goes to the progress bar instead. [`EvenflowProgressBar`][EvenflowProgressBar] (a
   ``TQDMProgressBar``) sets its train total to each batch's ``StepInfo.steps_bound`` -- the loader's ``len()``
   as known at that step, identical on every rank, tightening as the epoch runs -- and to the exact count at the
   epoch's end. An ``IterableDataset`` has no bound before its end, so its bar honestly shows no total.
 - IDLE batches: a rank that ran dry trains real-shaped placeholders with ``loss_scale == 0`` (DDP needs their
   backward). Their loss is a real-looking number, so a reflexive ``self.log("train_loss", loss)`` would log it.
-  :class:`EvenflowModule` drops ``self.log`` / ``self.log_dict`` calls made inside ``training_step`` on such a
-  batch (NOTE [ IDLE batches are not logged ]); ``on_epoch`` means then average real batches only (at an IDLE
+  [`EvenflowModule`][EvenflowModule] drops ``self.log`` / ``self.log_dict`` calls made inside ``training_step`` on such
+  a batch (NOTE [ IDLE batches are not logged ]); ``on_epoch`` means then average real batches only (at an IDLE
   step Lightning's loggers repeat the last real value, never the placeholder's).
 - Resume: the train loader implements ``state_dict``/``load_state_dict``, which Lightning saves in the fit loop
   state. Lightning writes checkpoints from rank 0 only, so the state gathers every rank's position (collective;
@@ -42,7 +44,7 @@ Written against lightning 2.6. How each Lightning mechanism is kept exact:
   handed out batch ``b + 1`` when batch ``b`` is checkpointed: the state excludes every window that ends after
   the batch being trained (reported by the DataModule's ``on_before_batch_transfer`` hook).
 - Batch transfer: Lightning's ``apply_to_collection`` refuses frozen dataclasses, so the DataModule's
-  ``on_before_batch_transfer`` / ``on_after_batch_transfer`` take :class:`StepInfo` out of the batch around the
+  ``on_before_batch_transfer`` / ``on_after_batch_transfer`` take [`StepInfo`][StepInfo] out of the batch around the
   device move. A LightningModule that overrides these two hooks replaces the DataModule's: call
   ``datamodule.on_before_batch_transfer`` / ``on_after_batch_transfer`` from yours.
 """
@@ -156,11 +158,12 @@ class _TrainBatches:
 class DynamicBatchDataModule(L.LightningDataModule):
     """Train (and optionally validation) loaders with evenflow batching.
 
-    ``token_budget`` and other :class:`DynamicBatchLoader` options are keyword arguments; ``grad_accum_steps``
-    comes from ``Trainer(accumulate_grad_batches=...)``. Validation uses :func:`eval_loader` (no shuffle, every
-    sample once; IDLE batches have ``loss_scale == 0`` -- weight validation losses by
-    ``StepInfo.local_loss_tokens``, e.g. ``torchmetrics.MeanMetric().update(loss, weight=...)``). Loaders are
-    built in ``setup`` (collective: Lightning calls it on every rank). Use ``use_distributed_sampler=False``.
+    ``token_budget`` and other [`DynamicBatchLoader`][DynamicBatchLoader] options are keyword arguments;
+    ``grad_accum_steps`` comes from ``Trainer(accumulate_grad_batches=...)``. Validation uses
+    [`eval_loader()`][eval_loader] (no shuffle, every sample once; IDLE batches have ``loss_scale == 0`` -- weight
+    validation losses by ``StepInfo.local_loss_tokens``, e.g. ``torchmetrics.MeanMetric().update(loss, weight=...)``).
+    Loaders are built in ``setup`` (collective: Lightning calls it on every rank). Use
+    ``use_distributed_sampler=False``.
     """
 
     def __init__(self, train_dataset=None, *, token_budget: int, val_dataset=None, val_token_budget: int | None = None,
@@ -232,13 +235,13 @@ class EvenflowCallback(L.Callback):
     """Per-step evenflow metrics (``evenflow/imbalance``, ``evenflow/local_padded_efficiency``, IDLE steps...),
     written to the trainer's own loggers every ``log_every_n_steps`` optimizer steps.
 
-    Reads each batch's :class:`StepInfo` in ``on_train_batch_start`` (before ``training_step`` pops it).
+    Reads each batch's [`StepInfo`][StepInfo] in ``on_train_batch_start`` (before ``training_step`` pops it).
 
-    ``lr_scaling="sqrt"`` / ``"linear"`` (or a :class:`evenflow.TokenLRRule`) also scales every optimizer step's
-    LR by its window's global supervised tokens (evenflow.lr), relative to ``reference_tokens`` -- by default the
-    DataModule's ``token_budget x trainer.world_size x accumulate_grad_batches``. LR schedulers keep stepping the
-    unscaled LR. The scalers (one per optimizer) are ``callback.lr_scalers``; their references are saved in the
-    checkpoint and kept on resume, also on another number of devices.
+    ``lr_scaling="sqrt"`` / ``"linear"`` (or a [`evenflow.TokenLRRule`][evenflow.TokenLRRule]) also scales every
+    optimizer step's LR by its window's global supervised tokens (evenflow.lr), relative to ``reference_tokens`` -- by
+    default the DataModule's ``token_budget x trainer.world_size x accumulate_grad_batches``. LR schedulers keep
+    stepping the unscaled LR. The scalers (one per optimizer) are ``callback.lr_scalers``; their references are saved in
+    the checkpoint and kept on resume, also on another number of devices.
     """
 
     def __init__(self, *, lr_scaling: TokenLRRule | str | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Lightning progress and logs under dynamic batches: :class:`EvenflowProgressBar` and :class:`EvenflowModule`.
+"""Lightning progress and logs under dynamic batches: [`EvenflowProgressBar`][EvenflowProgressBar] and
+[`EvenflowModule`][EvenflowModule].
 
 Re-exported by evenflow.integrations.lightning (import them from there). Why they exist: the train loader
 gives Lightning's loop no ``len()`` (module docstring of evenflow.integrations.lightning), so the stock bar has

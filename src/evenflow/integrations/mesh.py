@@ -11,6 +11,11 @@ the same data-parallel rank in a group of the same size, and since batches are a
 
 Ranks of mesh [[0, 1, 2, 3], [4, 5, 6, 7]] (dp x tp): dp groups are [0, 4], [1, 5], [2, 6], [3, 7]; ranks 0-3 are
 data-parallel rank 0 and get the same batches, ranks 4-7 are data-parallel rank 1.
+
+With context or sequence parallelism, give the loader the mesh itself (``DynamicBatchLoader(mesh=, dp_dims=,
+cp_dim= | sp_dim=)``, or accelerate's ``parallelism_config=``, found on a trainer's arguments by
+[`parallelism_config_of()`][parallelism_config_of]): it builds its groups, checks that CP/SP peers hold the same batch,
+emits shard-ready rows and counts the loss over the whole mesh (docs/long-context.md).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["dp_process_group", "dp_rank_groups", "destroy_process_groups"]
+__all__ = ["dp_process_group", "dp_rank_groups", "destroy_process_groups", "parallelism_config_of"]
 
 
 def destroy_process_groups() -> None:
@@ -73,3 +78,22 @@ def dp_process_group(mesh, dim: str | int = "dp", *, timeout: timedelta = timede
     groups = dp_rank_groups(mesh, dim)
     mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
     return mine
+
+
+def parallelism_config_of(source: object) -> object | None:
+    """accelerate's ``ParallelismConfig`` of ``TrainingArguments`` / ``SFTConfig``, an ``Accelerator`` or its
+    state (its ``parallelism_config`` attribute), or ``None`` where it has none; pass it to the loader as
+    ``parallelism_config=``.
+
+    >>> class Args:
+    ...     parallelism_config = None
+    >>> parallelism_config_of(Args()) is None
+    True
+    """
+    config = getattr(source, "parallelism_config", None)
+    if config is None:
+        return None
+    if not all(hasattr(config, f"{name}_size") for name in ("dp_replicate", "dp_shard", "cp", "tp")):
+        raise TypeError(f"{type(source).__name__}.parallelism_config is a {type(config).__name__}, not an accelerate "
+                        "ParallelismConfig (dp_replicate_size, dp_shard_size, cp_size, sp_size, tp_size)")
+    return config

@@ -8,7 +8,7 @@
         if step % 10 == 0:
             logger.log(meter.summary())   # resets the interval
 
-Every value comes from :class:`~evenflow.StepInfo`, which already carries the cross-rank numbers of its step
+Every value comes from [`StepInfo`][evenflow.StepInfo], which already carries the cross-rank numbers of its step
 (global samples and supervised tokens, max/mean padded cost), so a summary costs no collective and never hangs a
 rank that logs alone. Values named ``local_*`` describe this rank only; the others are identical on every rank.
 """
@@ -26,7 +26,7 @@ METRIC_PREFIX = "evenflow/"
 
 
 class StepMetrics:
-    """Accumulate :class:`StepInfo` over an interval and summarize it.
+    """Accumulate [`StepInfo`][StepInfo] over an interval and summarize it.
 
     ``summary()`` keys (prefixed ``evenflow/``):
 

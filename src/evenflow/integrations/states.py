@@ -52,7 +52,8 @@ class LoaderCheckpoint:
 
     ``state_dict`` gathers every rank's state over the default group: a collective, so call it (or let the
     framework call it) on every rank -- Accelerate's ``save_state`` and ``dcp.save`` / ``dcp.load`` do.
-    ``load_state_dict`` is local. After a load, :attr:`start_epoch` is the epoch to pass to ``loader.set_epoch``.
+    ``load_state_dict`` is local. After a load, `start_epoch` is the epoch to pass to
+    ``loader.set_epoch``.
     """
 
     VERSION = 2

@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` with evenflow batches: :class:`DynamicBatchSFTTrainer` (extra ``trl``).
+"""TRL's ``SFTTrainer`` with evenflow batches: [`DynamicBatchSFTTrainer`][DynamicBatchSFTTrainer] (extra ``trl``).
 
     trainer = DynamicBatchSFTTrainer(model=model, args=SFTConfig(..., assistant_only_loss=True),
                                      train_dataset=chats, processing_class=tokenizer, token_budget=16384)
@@ -10,8 +10,9 @@ collator (``DataCollatorForLanguageModeling``, padding-free when packing) as the
 (``compute_loss``, fused LM head) and its logged metrics (``mean_token_accuracy``, ``entropy``, ``num_tokens``).
 What evenflow changes:
 
-- Batches come from :class:`evenflow.DynamicBatchLoader` over the *prepared* dataset, so the loader counts
-  supervised tokens from the very ``labels`` TRL's preparation produced (the collator only pads them with -100).
+- Batches come from [`DynamicBatchLoader`][evenflow.DynamicBatchLoader] over the *prepared* dataset, so the
+  loader counts supervised tokens from the very ``labels`` TRL's preparation produced (the collator only pads
+  them with -100).
 - The loss: TRL divides its summed token loss by ``num_items_in_batch`` (and multiplies by the number of processes
   under ``average_tokens_across_devices``); this class passes the evenflow window's global supervised tokens, which
   makes TRL's loss exactly ``mean * StepInfo.loss_scale`` (NOTE [ Loss scale ] in evenflow.planning.loss).
@@ -36,6 +37,18 @@ NOTE [ Packing with TRL ]
 
     ``trainer.args`` is then a copy with ``packing=False, padding_free=True``. ``cost="padded"`` with any of
     them is refused (packed rows cost their summed tokens).
+
+NOTE [ TRL's vision data, packed ]
+    TRL refuses ``packing`` and ``padding_free`` for a vision dataset (a first sample with ``image`` or
+    ``images``) in ``SFTTrainer.__init__``, from the SFTConfig: TRL gets a copy without them, and what they ask
+    for becomes the balanced step's layout (``packing=True`` or ``padding_free=True``: ``"packed"``, one row
+    per micro-batch with ``[4, 1, N]`` position ids and no padding; neither: ``"padded"``). Each sample goes
+    through TRL's own ``DataCollatorForVisionLanguageModeling`` alone (chat template, placeholders, pixels,
+    TRL's label mask; a sample alone has no padding), the loader batches the processed samples under
+    ``token_budget`` and ``max_encoder_rows``, and ``compute_loss`` is [`BalancedVLM`][evenflow.vlm.BalancedVLM]'s
+    (NOTE [ A balanced VLM inside a trainer ] in evenflow.integrations.vlm_trainer): the exact global per-token
+    loss; TRL's ``entropy`` / ``mean_token_accuracy`` are not computed (the step returns no logits). TRL's
+    collator has no videos, so a sample with ``videos`` is refused, naming it.
 
 NOTE [ TRL metrics over real tokens ]
     TRL logs the mean over micro-batches of each micro-batch's ratio (entropy sum / supervised tokens of every
@@ -75,7 +88,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..planning.loss import IGNORE_INDEX
 from ..step_info import STEP_INFO_KEY, StepInfo
+from ..vlm import VLMConfig, WarmupConfig
 from .hf import DynamicBatchTrainer
+from .vlm_trainer import VLMBalancing
 
 __all__ = ["DynamicBatchSFTTrainer"]
 
@@ -83,19 +98,44 @@ __all__ = ["DynamicBatchSFTTrainer"]
 _TOKEN_METRICS = ("entropy", "mean_token_accuracy")
 
 
-class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
-    """``trl.SFTTrainer`` whose training batches come from :class:`evenflow.DynamicBatchLoader`.
+class DynamicBatchSFTTrainer(VLMBalancing, DynamicBatchTrainer, SFTTrainer):
+    """``trl.SFTTrainer`` whose training batches come from [`evenflow.DynamicBatchLoader`][evenflow.DynamicBatchLoader].
 
     Takes every ``SFTTrainer`` argument plus ``token_budget`` and the other ``DynamicBatchLoader`` options (see
-    :class:`~evenflow.integrations.hf.DynamicBatchTrainer`). TRL's collator (or the ``data_collator`` passed) is
-    the loader's ``collate_fn``. ``SFTConfig(packing=True)``, ``padding_free=True`` or ``cost="summed"``: evenflow
-    packs each micro-batch into one padding-free row of at most ``token_budget`` tokens, ``max_length`` still
-    truncating each sample (NOTE [ Packing with TRL ]).
+    [`DynamicBatchTrainer`][evenflow.integrations.hf.DynamicBatchTrainer]). TRL's collator (or the
+    ``data_collator`` passed) is the loader's ``collate_fn``. ``SFTConfig(packing=True)``,
+    ``padding_free=True`` or ``cost="summed"``: evenflow packs each micro-batch into one padding-free row of at
+    most ``token_budget`` tokens, ``max_length`` still truncating each sample (NOTE [ Packing with TRL ]).
+
+    A vision dataset in TRL's format (``messages`` + ``images``) with a processor as ``processing_class``: every
+    step is balanced per phase by [`BalancedVLM`][evenflow.vlm.BalancedVLM], packed (``packing=True`` or
+    ``padding_free=True``) or padded, each sample processed alone by TRL's own vision collator (NOTE [ TRL's
+    vision data, packed ]). ``vlm_config`` / ``warmup``: as
+    [`BalancedVLMTrainer`][evenflow.integrations.vlm_trainer.BalancedVLMTrainer].
     """
 
-    def __init__(self, *args: Any, token_budget: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, token_budget: int, vlm_config: VLMConfig | None = None,
+                 warmup: WarmupConfig | None = None, **kwargs: Any) -> None:
         config = kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None
         collator = kwargs["data_collator"] if "data_collator" in kwargs else args[2] if len(args) > 2 else None
+        dataset = kwargs["train_dataset"] if "train_dataset" in kwargs else args[3] if len(args) > 3 else None
+        self.vlm_config = None
+        if _is_vision_dataset(dataset):
+            vlm_config, trl_config = _vision_choice(config, vlm_config, kwargs.get("cost"), collator)
+            if "args" in kwargs or len(args) < 2:
+                kwargs["args"] = trl_config
+            else:
+                args = (args[0], trl_config, *args[2:])
+            super().__init__(*args, token_budget=token_budget, **kwargs)
+            # Each sample through TRL's vision collator alone (a row without padding); evenflow's collate batches.
+            self.train_dataset = ProcessedSamples(self.train_dataset, self.data_collator)
+            self._user_collator = None
+            self._init_balancing(vlm_config, warmup)
+            self._token_sums, self._metric_tokens = {}, 0  # TRL's token metrics: none without TRL's loss
+            return
+        if vlm_config is not None or warmup is not None:
+            raise ValueError("vlm_config= / warmup= balance a vision dataset (samples with 'images' or 'image', "
+                             "TRL's rule); this dataset has none")
         packed, trl_config, truncation = _packing_choice(config, kwargs.get("cost"), collator)
         if packed:
             kwargs["cost"] = "summed"
@@ -125,8 +165,18 @@ class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
         # columns are model inputs already.
         return None
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
+        if self.vlm_config is not None:
+            self._vlm_begin(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss and metrics, normalized by the evenflow window (see the module docstring)."""
+        """TRL's loss and metrics, normalized by the evenflow window (see the module docstring); a vision
+        dataset's: the balanced step's (NOTE [ TRL's vision data, packed ])."""
+        if self.vlm_config is not None:
+            return self._vlm_loss(model, inputs, return_outputs)
         if STEP_INFO_KEY not in inputs:
             return SFTTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
                                            num_items_in_batch=num_items_in_batch)
@@ -172,6 +222,8 @@ class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's log, with ``entropy`` / ``mean_token_accuracy`` token-weighted over the interval."""
+        if self.vlm_config is not None:
+            logs = self._vlm_logs(logs)
         if self.model.training and self._metric_tokens:
             metrics = self._metrics["train"]
             for name, total in self._token_sums.items():
@@ -179,6 +231,74 @@ class DynamicBatchSFTTrainer(DynamicBatchTrainer, SFTTrainer):
             self._token_sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
             self._metric_tokens = 0
         super().log(logs, start_time)
+
+
+def _is_vision_dataset(dataset: Any) -> bool:
+    """TRL's own rule (``SFTTrainer.__init__``): the first sample has an ``image`` or ``images`` key."""
+    if dataset is None or isinstance(dataset, Mapping):
+        return False
+    try:
+        sample = next(iter(dataset))
+    except (StopIteration, TypeError):
+        return False
+    return isinstance(sample, Mapping) and ("image" in sample or "images" in sample)
+
+
+def _vision_choice(config: Any, vlm_config: VLMConfig | None, cost: str | None, collator: Any
+                   ) -> tuple[VLMConfig, Any]:
+    """``(the step's config, the SFTConfig TRL sees)`` for a vision dataset (NOTE [ TRL's vision data, packed ]):
+    TRL's refusal of packing / padding-free vision data is raised from the SFTConfig, so TRL gets a copy without
+    them, and the layout they ask for is the balanced step's."""
+    if config is None:
+        raise ValueError("a vision dataset needs args=SFTConfig(...): packing=True (or padding_free=True) trains "
+                         "packed rows, neither trains padded ones")
+    if collator is not None:
+        raise ValueError("a vision dataset is processed per sample by TRL's own vision collator, which evenflow "
+                         "runs itself: drop data_collator")
+    packing, padding_free = bool(config.packing), bool(config.padding_free)
+    if packing and config.packing_strategy != "bfd":
+        raise ValueError(f"SFTConfig(packing_strategy={config.packing_strategy!r}) cuts samples (and their images) "
+                         "into pieces; evenflow keeps every sample whole: use packing_strategy='bfd'")
+    layout = "packed" if packing or padding_free else "padded"
+    if vlm_config is None:
+        vlm_config = VLMConfig(layout=layout)
+    elif vlm_config.layout != layout:
+        asked = ("packing=True" if packing else "padding_free=True" if padding_free
+                 else "neither packing nor padding_free")
+        raise ValueError(f"SFTConfig({asked}) trains {layout} rows, but VLMConfig(layout={vlm_config.layout!r}) was "
+                         f"passed: set VLMConfig(layout={layout!r}) or change the SFTConfig")
+    if cost is not None and cost != ("summed" if layout == "packed" else "padded"):
+        raise ValueError(f"cost={cost!r} with {layout} rows: drop cost= (it follows the layout)")
+    if config.max_length is not None and config.truncation_mode != "keep_start":
+        raise ValueError("truncation_mode='keep_end' cuts a sample's image placeholders (TRL refuses it for vision "
+                         "data too): use 'keep_start'")
+    trl_config = copy.copy(config)
+    trl_config.packing = False  # what TRL refuses for vision data; evenflow packs instead
+    trl_config.padding_free = False
+    return vlm_config, trl_config
+
+
+class ProcessedSamples:
+    """A vision dataset in TRL's format, each item processed alone by ``collator`` (TRL's
+    ``DataCollatorForVisionLanguageModeling``: chat template, image placeholders, pixels, labels) into the
+    per-sample form evenflow batches: token fields without their batch dimension, pixels and grids as the
+    processor returns them. A sample alone has no padding."""
+
+    _TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+    def __init__(self, dataset: Any, collator: Any) -> None:
+        self.dataset, self.collator = dataset, collator
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = dict(self.dataset[index])
+        if sample.get("videos"):
+            raise ValueError(f"sample {index} has videos, which TRL's vision collator does not process: process "
+                             "the samples yourself (the sample contract in docs/vlm.md) and use BalancedVLMTrainer")
+        batch = self.collator([sample])
+        return {k: (v[0] if k in self._TOKEN_KEYS else v) for k, v in batch.items()}
 
 
 def _packing_choice(config: Any, cost: str | None, collator: Any) -> tuple[bool, Any, tuple[int, str] | None]:

@@ -9,6 +9,7 @@
                   each step is made of and which steps a round emits), place.py (groups to ranks, least movement),
                   packs.py (padding-free packs dealt mixed and balanced on time)
 - timecost.py  -- the fitted per-item time cost f(L) = gamma + alpha L + beta L^2 planners balance on
+- shard.py     -- shard-ready layouts for CP/SP groups: documents padded to 2 x cp, which tokens each rank holds
 """
 
 from .alignment import (AlignmentConfig, Item, RankPlanner, RankReport, RoundDecision, config_fingerprint,

@@ -3,10 +3,12 @@
 Every rank runs the same round, in lockstep:
 
 1. fill its buffer from its own stream until it holds ``buffer_size`` samples or the stream is exhausted;
-2. plan local groups (:mod:`evenflow.planning.grouping`) and publish a :class:`RankReport`;
-3. all ranks gather the reports and evaluate :func:`decide_round` -- the same pure function on the same
+2. plan local groups ([`evenflow.planning.grouping`][evenflow.planning.grouping]) and publish a
+[`RankReport`][RankReport]; 3. all ranks gather the reports and evaluate [`decide_round()`][decide_round] -- the same
+pure function on the same
    data, so they agree on the round's target ``T`` without talking again;
-4. each rank applies the decision with :meth:`RankPlanner.apply`: it emits exactly ``T`` slots (groups or
+4. each rank applies the decision with [`RankPlanner.apply()`][RankPlanner.apply]: it emits exactly ``T`` slots (groups
+or
    IDLE) and keeps the rest of its buffer for the next round.
 
 NOTE [ The alignment rule ]
@@ -32,7 +34,7 @@ NOTE [ Bounded waiting ]
     group of every active rank, so while a rank holds an old sample, its oldest sample leaves each round. A
     sample x becomes old after A = max_wait_rounds rounds; at most B - 1 samples (B = buffer_size) are older
     than x and in the buffer, each round removes the oldest, so x is emitted within A + B - 1 rounds of
-    arriving (:func:`wait_bound`). Long samples cannot pile up into a sorted tail.
+    arriving ([`wait_bound()`][wait_bound]). Long samples cannot pile up into a sorted tail.
 
 NOTE [ Termination ]
     Join mode ends the epoch when every rank reports an exhausted stream and an empty buffer; quota mode
@@ -84,7 +86,8 @@ class AlignmentConfig:
     max_wait_rounds: int = 16
     """Rounds after which a buffered sample is *old*: its group goes before any young one. Not a bound on its own:
     one old group leaves a round, so when many are old at once a sample waits longer -- at most
-    :func:`wait_bound` rounds (NOTE [ Bounded waiting ]; global planning: the samples buffered over all ranks in
+    [`wait_bound()`][wait_bound] rounds (NOTE [ Bounded waiting ]; global planning: the samples buffered over all ranks
+    in
     place of ``buffer_size``). Measured under global planning, chitchat resampled to 32,144 chats, budget 16,384,
     W = 2: one sample waited 107 of the epoch's 114 rounds."""
     buffer_size: int = 4096
@@ -133,7 +136,7 @@ def _canonical(obj: object) -> object:
 
 REPORT_WIDTH = 15
 """int64 fields of one rank's report: fingerprint, groups, samples, exhausted, unread, stop, error, stop_step,
-epoch, data, resume, pid, host, stream, content (see :class:`RankReport`)."""
+epoch, data, resume, pid, host, stream, content (see [`RankReport`][RankReport])."""
 
 NO_VALUE = -1
 """``stop_step`` / ``resume`` / ``pid`` / ``host`` when a rank has nothing to report there."""
@@ -204,14 +207,17 @@ class RoundDecision:
     """With ``stop``: that rank's steps taken; a peer asking for a batch past it raises ``PeerStopped``."""
 
 
-def _check_agreement(table: np.ndarray) -> None:
+def _check_agreement(table: np.ndarray, *, config_only: bool = False) -> None:
     """Refuse reports whose configuration, epoch, data or resume state differ across ranks (naming them); a
-    map-style dataset's content too (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check)."""
-    for col, what, fix in _AGREEMENT:
+    map-style dataset's content too (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check).
+    ``config_only``: the configuration alone (a round in which a rank reports an error)."""
+    for col, what, fix in _AGREEMENT[:1] if config_only else _AGREEMENT:
         values = table[:, col]
         if (values != values[0]).any():
             by_value = {_show(col, int(v)): np.flatnonzero(values == v).tolist() for v in np.unique(values)}
             raise ValueError(f"ranks disagree on {what} ({'value -> ranks'}: {by_value}); {fix}")
+    if config_only:
+        return
     content = table[:, _CONTENT_COL]
     known = content[content != NO_VALUE]
     if (known != known[:1]).any():
@@ -246,7 +252,7 @@ _AGREEMENT = (
 def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentConfig) -> RoundDecision:
     """Evaluate NOTE [ The alignment rule ] on the gathered reports. Deterministic and pure.
 
-    ``reports`` is one :class:`RankReport` per rank, or the gathered ``[world, REPORT_WIDTH]`` int64 array
+    ``reports`` is one [`RankReport`][RankReport] per rank, or the gathered ``[world, REPORT_WIDTH]`` int64 array
     itself (what the runtime passes: at 2,560 ranks, building report objects would cost more than deciding).
 
     >>> r = lambda g, n, ex=False: RankReport(7, g, n, ex, 0)
@@ -263,8 +269,11 @@ def decide_round(reports: Sequence[RankReport] | np.ndarray, config: AlignmentCo
         table = np.array([r.to_array() for r in reports], dtype=np.int64).reshape(-1, REPORT_WIDTH)
     if not len(table):
         raise ValueError("decide_round needs one report per rank, got none")
-    _check_agreement(table)
     groups, samples, exhausted, unread, stop_flags, errors, stop_steps = table[:, 1:8].T
+    # A rank that reports an error may have no epoch, data or state to agree on (a load_state_dict it refused,
+    # reported before it exits): its error is the cause, and the error round names it on every rank. The
+    # configuration must still agree -- the round's exchanges are sized by it.
+    _check_agreement(table, config_only=bool(errors.any()))
     bad = (samples < 0) | (groups < 0) | (groups > samples) | ((samples > 0) & (groups == 0))
     if bad.any():
         i = int(np.argmax(bad))
@@ -303,7 +312,7 @@ class Item:
     loss_tokens: int = 0
     extra: Mapping[str, int] = field(default_factory=dict)
     seq: int = -1
-    """Arrival order on this rank (set by :meth:`RankPlanner.add`): lower is older."""
+    """Arrival order on this rank (set by [`RankPlanner.add()`][RankPlanner.add]): lower is older."""
     arrived: int = -1
     """Emitting round at which the sample entered the buffer."""
 
@@ -315,7 +324,7 @@ SLOT_WIDTH = 4
 
 
 class RankPlanner:
-    """The per-rank half of the protocol: a buffer of :class:`Item` and the round logic over it.
+    """The per-rank half of the protocol: a buffer of [`Item`][Item] and the round logic over it.
 
     The runtime, the model checker and the simulator all drive this same class.
     """
@@ -392,7 +401,7 @@ class RankPlanner:
         return RankReport(fingerprint, len(groups), len(self.buffer), exhausted, unread, stop, error, stop_step)
 
     def apply(self, decision: RoundDecision, groups: list[list[int]] | None = None) -> list[Slot]:
-        """Emit ``decision.target`` slots and keep the rest buffered. ``groups`` is what :meth:`report` used."""
+        """Emit ``decision.target`` slots and keep the rest buffered. ``groups`` is what `report()` used."""
         target = decision.target
         if target == 0:
             return []
@@ -412,7 +421,7 @@ class RankPlanner:
 
     def take(self, positions: Sequence[int]) -> list[Item]:
         """Remove the samples at ``positions`` from the buffer and count one emitting round (the ageing clock):
-        what :meth:`apply` does once a round's slots are chosen, for plans made over several ranks' buffers
+        what [`apply()`][apply] does once a round's slots are chosen, for plans made over several ranks' buffers
         (``planning="global"``, evenflow.planning.pooled.plan). Returns the removed items in that order."""
         taken = [self.buffer[int(i)] for i in positions]
         self._remove({int(i) for i in positions})

@@ -86,7 +86,7 @@ class GroupingConfig:
 
 @dataclass(frozen=True)
 class GroupingResult:
-    """Output of :func:`plan`. Indices refer to positions in the input arrays."""
+    """Output of [`plan()`][plan]. Indices refer to positions in the input arrays."""
 
     groups: list[list[int]]
     """Groups within every budget, then one group per ``"alone"`` oversize sample (at the end)."""
@@ -172,7 +172,9 @@ def _oversize_message(i: int, length: int, extra: dict[str, np.ndarray], config:
                 "long samples in the dataset, or set oversize='alone' (own batch) or oversize='drop'")
     for name, cap in config.extra_budgets.items():
         if extra[name][i] > cap:
-            return (f"{label} {i}: {name}={int(extra[name][i])} exceeds extra_budgets[{name!r}]={cap}; raise that "
+            # The loader's max_encoder_rows is the "num_patches" budget (evenflow.runtime.samples): name it so.
+            budget = f"max_encoder_rows={cap}" if name == "num_patches" else f"extra_budgets[{name!r}]={cap}"
+            return (f"{label} {i}: {name}={int(extra[name][i])} exceeds {budget}; raise that "
                     "budget or set oversize='alone' or oversize='drop'")
     raise AssertionError("not oversize")  # pragma: no cover
 
@@ -383,7 +385,7 @@ def plan_groups(lengths: Sequence[int] | np.ndarray, *, token_budget: int, cost:
                 extra: Mapping[str, Sequence[int]] | None = None,
                 extra_budgets: Mapping[str, int] | None = None,
                 pad_to_multiple_of: int | None = None) -> list[list[int]]:
-    """Groups of indices into ``lengths``, each within every budget (see :class:`GroupingConfig`).
+    """Groups of indices into ``lengths``, each within every budget (see [`GroupingConfig`][GroupingConfig]).
 
     Padded cost uses the minimum possible number of groups among contiguous partitions of the
     length-sorted input (NOTE [ Padded grouping is optimal ]); summed cost is at least as good as
@@ -400,7 +402,7 @@ def plan_groups(lengths: Sequence[int] | np.ndarray, *, token_budget: int, cost:
 def check_oversize(length: int, extra: Mapping[str, int], config: GroupingConfig, label: object) -> str | None:
     """The error message if one sample alone exceeds a budget under ``config``, else None.
 
-    The per-sample form of the check :func:`plan` applies to a whole buffer (used as samples arrive).
+    The per-sample form of the check [`plan()`][plan] applies to a whole buffer (used as samples arrive).
     """
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length <= 0:
         raise ValueError(f"sample {label}: length {length!r} is not a positive integer; lengths are token counts "

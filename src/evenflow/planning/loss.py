@@ -13,6 +13,12 @@ NOTE [ Loss scale ]
     reference (3*2 + 1*6) / 4 = 3.0; scaled losses 2*2*3/4 = 3.0 and 6*2*1/4 = 3.0, averaged by DDP: 3.0.
     Do *not* divide by k as well. A window with T_tok = 0 has scale 0 (finite), never NaN.
 
+    On a mesh with context or sequence parallelism (degree C), the C peers of a data-parallel group split its
+    batch and the framework averages gradients over all W x C ranks; each token sits in one shard, so t_r and
+    T_tok stay the group's counts (each token once) and the rank count is W x C: rank (r, c) backpropagates
+    its shard's sum S_{r,c} x W C / T_tok, and the mean over W x C ranks is sum S / T_tok. Counting tokens per
+    shard rank instead inflates T_tok by C; dividing by C again on top of the mean undercounts by C.
+
 "Supervised tokens" are exactly the tokens the loss sums over. A causal LM predicts token i+1 from
 position i, so with labels shifted inside the model (HF convention) the count is ``labels[1:] != -100``.
 """

@@ -1,7 +1,8 @@
 """Run the alignment protocol for W ranks in one process: the exact rounds the runtime runs, minus I/O.
 
 The model checker, the property tests, the benchmarks and the cluster simulator use this; the runtime
-(:mod:`evenflow.runtime.collator`) drives the same :class:`RankPlanner` with real exchanges.
+([`evenflow.runtime.collator`][evenflow.runtime.collator]) drives the same [`RankPlanner`][RankPlanner] with real
+exchanges.
 """
 
 from __future__ import annotations

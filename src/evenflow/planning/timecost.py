@@ -1,15 +1,15 @@
 """Time, not tokens: the per-item cost ``f(L) = gamma + alpha L + beta L^2`` a planner balances. Pure numpy.
 
 Token budgets stay hard constraints (a group never exceeds them); the *time* cost decides which groups
-share a step and how items are balanced across ranks. A :class:`TimeCost` is fixed before the epoch
+share a step and how items are balanced across ranks. A [`TimeCost`][TimeCost] is fixed before the epoch
 (passed in, or fitted from profiling on rank 0 and broadcast), stored in the loader state and compared
-across ranks through :meth:`TimeCost.key` -- never refit mid-epoch, so batches stay a function of seed,
+across ranks through [`TimeCost.key()`][TimeCost.key] -- never refit mid-epoch, so batches stay a function of seed,
 configuration, world size and data.
 
 NOTE [ Scoring time balance honestly ]
     A planner that balances on its own coefficients and is then scored with the same coefficients always
     looks perfect. Benchmarks score with a *separately* fitted model (another calibration split, or measured
-    step times): :func:`evenflow.sim.timefit.fit_time_cost` fits the planner's coefficients to noisy timings
+    step times): `evenflow.sim.timefit.fit_time_cost()` fits the planner's coefficients to noisy timings
     on a calibration split of lengths, and the simulator scores with its own cost model.
 
 Example, one phase, ``alpha = 1, beta = 1e-4`` (attention matters from ~10k tokens): a padded group of
@@ -17,9 +17,9 @@ Example, one phase, ``alpha = 1, beta = 1e-4`` (attention matters from ~10k toke
 ``4000 + 1600 = 5600`` -- equal padded tokens, 27 % more time.
 
 NOTE [ The default time cost ]
-    What the loader balances when ``time_cost=None`` (:func:`default_time_cost`):
+    What the loader balances when ``time_cost=None`` ([`default_time_cost()`][default_time_cost]):
 
-    * ``cost="padded"``: :class:`TimeCost` ``()``, padded tokens (the planner since issue 12; a padded group's
+    * ``cost="padded"``: [`TimeCost`][TimeCost] ``()``, padded tokens (a padded group's
       tokens already carry its longest row, and what the default trains was measured with it);
     * ``cost="summed"``: the attention-aware cost Megatron-LM and verl balance packs with, ``24576 L + L^2``
       (linear layers at hidden 4,096, ``6 * 4096`` per token, plus attention per sequence), divided by 24,576:
@@ -27,10 +27,11 @@ NOTE [ The default time cost ]
       costs 1.67 times a pack of 16,384 tokens of short chats; by tokens they are equal.
 
     The ratio ``beta / alpha`` is all a plan depends on (time is compared, never added to a clock), so one
-    number per model: :meth:`TimeCost.from_model` counts it from a model's config (Qwen3-8B: ``1 / 51,324``,
-    NOTE [ GPU cost from FLOPs ] in evenflow/sim/calibrate.py), and a measured fit
-    (:func:`evenflow.balance.fit_quadratic` over timed single sequences) gives gamma too. A rank's slowest
-    sequence is the one that matters: a model with a larger ratio (longer context per parameter) needs its own.
+    number per model: [`TimeCost.from_model()`][TimeCost.from_model] counts it from a model's config (Qwen3-8B: ``1 /
+    51,324``, NOTE [ GPU cost from FLOPs ] in evenflow/sim/calibrate.py), and a measured fit
+    ([`evenflow.balance.fit_quadratic()`][evenflow.balance.fit_quadratic] over timed single sequences) gives gamma too.
+    A rank's slowest sequence is the one that matters: a model with a larger ratio (longer context per parameter) needs
+    its own.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ Megatron-LM's and verl's ``24576 L + L^2``."""
 
 @dataclass(frozen=True, kw_only=True)
 class PhaseTime(QuadraticCost):
-    """One phase's per-item cost: a :class:`QuadraticCost` on the per-sample length named ``length_key``."""
+    """One phase's per-item cost: a [`QuadraticCost`][QuadraticCost] on the per-sample length named ``length_key``."""
 
     length_key: str = TOKENS
     """``"tokens"`` for the LLM, or the name of an extra per-sample resource (e.g. ``"patches"``)."""

@@ -1,7 +1,7 @@
 """Runtime at the DataLoader boundary (public PyTorch APIs only).
 
-Its errors (``PeerStopped``, ``PeerError``) live in :mod:`evenflow.errors` and ``StepInfo`` in
-:mod:`evenflow.step_info`, on the ground floor, so the layers below the loader raise and read them too;
+Its errors (``PeerStopped``, ``PeerError``) live in [`evenflow.errors`][evenflow.errors] and ``StepInfo`` in
+[`evenflow.step_info`][evenflow.step_info], on the ground floor, so the layers below the loader raise and read them too;
 both are re-exported here.
 
 - loader/      -- DynamicBatchLoader (loader.py: epochs, the trainer-facing iterator, state) and what it
@@ -20,6 +20,8 @@ both are re-exported here.
 - collate_extras.py -- the other keys of a batch: media rows, audio clips, metadata (never dropped silently)
 - shard_check.py -- sharding mistakes caught at the first round (a dataset split twice: token content compared)
 - stream_check.py -- unsplit IterableDataset streams caught from the digests of each rank's first samples
+- mesh.py      -- the loader on a DeviceMesh: its data-parallel group, its CP/SP peers and their agreement check
+- shard.py     -- shard_batch / unshard_batch: one shard-ready batch split for this CP/SP rank and back
 - epoch_plan.py -- the epoch's exact step count from per-sample lengths (``lengths=``, PlannedLengths), via
                   evenflow.sim
 """
@@ -27,8 +29,11 @@ both are re-exported here.
 from .collate import FlatCollate, PadCollate
 from ..errors import PeerError, PeerStopped
 from .loader import DynamicBatchLoader, LoaderConfig
+from .epoch_plan import dataset_lengths  # after .loader: epoch_plan imports the loader's config
+from .shard import shard_batch, unshard_batch
 from .source import shard_indices
 from ..step_info import STEP_INFO_KEY, StepInfo, pop_step_info, scale_loss
 
 __all__ = ["DynamicBatchLoader", "LoaderConfig", "FlatCollate", "PadCollate", "STEP_INFO_KEY", "StepInfo",
-           "pop_step_info", "scale_loss", "shard_indices", "PeerError", "PeerStopped"]
+           "pop_step_info", "scale_loss", "shard_indices", "PeerError", "PeerStopped", "shard_batch", "unshard_batch",
+           "dataset_lengths"]

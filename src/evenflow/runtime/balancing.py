@@ -1,9 +1,10 @@
 """The loader's ``balance=True`` policy: even out the cost of each aligned step across ranks.
 
 After a round every rank holds T slots. For each step, every rank sees the lengths of every rank's slot
-(one extra fixed-size exchange), evaluates the same pure plan (:func:`evenflow.balance.rebalance_step`) and
-moves samples with one all-to-all per round. Three collectives per round, issued by every rank in every
-round -- also when nothing moves, and in the round that stops or ends the epoch (NOTE [ Round sequence ]).
+(one extra fixed-size exchange), evaluates the same pure plan
+([`evenflow.balance.rebalance_step()`][evenflow.balance.rebalance_step]) and moves samples with one all-to-all per
+round. Three collectives per round, issued by every rank in every round -- also when nothing moves, and in the round
+that stops or ends the epoch (NOTE [ Round sequence ]).
 
 NOTE [ Who owns a moved sample ]
     A sample belongs to the rank whose stream produced it, wherever it is trained. That rank records it as

@@ -6,14 +6,16 @@ NOTE [ User code is bounded ]
     dataset's ``__getitem__`` itself with ``num_workers=0``), ``length_fn``, ``resources_fn``, ``collate_fn``
     -- and a Python thread cannot be interrupted. So those calls run on one helper thread (a daemon: a call
     that never returns cannot keep the process alive), and the collation thread waits for them, checking
-    every :data:`POLL_S`:
+    every [`POLL_S`][POLL_S]:
 
-    * a call running longer than the bound (``worker_timeout``) -> :class:`Stuck`, naming the call and the
+    * a call running longer than the bound (``worker_timeout``) -> [`Stuck`][Stuck], naming the call and the
       sample; the collation thread reports it in the round's next exchange like any failure, so every peer
       raises PeerError naming this rank and the call within the round, and this rank's trainer raises it;
     * a DataLoader worker process that died (the out-of-memory killer's SIGKILL) while the stream waits for
-      a sample -> :class:`WorkerDied` within about a second: torch itself would only notice at its own
-      timeout, because its SIGCHLD check runs on the main thread, which is the trainer's here.
+      a sample -> [`WorkerDied`][WorkerDied] within about a second, naming the signal: torch itself would only
+      notice at its own timeout, because its SIGCHLD check runs on the main thread, which is the trainer's
+      here. A worker torch stopped because its shard ran out is not a death: it said so first (NOTE [ Workers
+      that end early ] in source.py), and the watch skips it.
 
     One hop to the helper per round's fill and per round's collation (not per sample): the helper marks the
     start of every user call, so the bound applies to each call, not to a whole fill. After a Stuck the
@@ -44,7 +46,7 @@ class WorkerDied(RuntimeError):
 
 
 class UserCalls:
-    """One daemon helper thread; :meth:`run` hands it a job and waits (see NOTE [ User code is bounded ]).
+    """One daemon helper thread; [`run()`][run] hands it a job and waits (see NOTE [ User code is bounded ]).
 
     ``limit_s``: the bound on one user call. ``dead_workers``: returns a description of this epoch's dead
     DataLoader workers, or None (checked only while the helper waits for the stream's next sample).
@@ -82,7 +84,7 @@ class UserCalls:
 
     def mark(self, what: str, key: object = None, *, fetch: bool = False, bounded: bool = True) -> None:
         """Called by a job on the helper thread before each user call: ``what`` and ``key`` (the sample) name
-        it in a :class:`Stuck`. ``fetch``: the call waits for DataLoader workers (their deaths are watched);
+        it in a [`Stuck`][Stuck]. ``fetch``: the call waits for DataLoader workers (their deaths are watched);
         ``bounded=False``: no bound of ours (the DataLoader's own ``timeout`` bounds a wait for its workers,
         with a better message)."""
         self._call = (what, key, time.monotonic() + (self.limit_s if bounded else float("inf")), fetch)
@@ -93,7 +95,8 @@ class UserCalls:
 
     # -- collation thread ----------------------------------------------------------------------------------
     def run(self, job: Callable[[], object]) -> object:
-        """Run ``job`` on the helper thread; its result, or what it raised, or :class:`Stuck` / :class:`WorkerDied`."""
+        """Run ``job`` on the helper thread; its result, or what it raised, or [`Stuck`][Stuck] /
+        [`WorkerDied`][WorkerDied]."""
         if self.abandoned:
             raise RuntimeError("evenflow: the collation helper thread is still inside an earlier call that ran past "
                                "its bound; this epoch cannot continue")

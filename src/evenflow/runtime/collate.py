@@ -11,12 +11,14 @@ models consume, e.g. Qwen2-VL's ``pixel_values`` ``(total_patches, 1176)`` and `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..planning.loss import IGNORE_INDEX
+from ..planning.shard import ShardLayout
 from .collate_extras import ROW_KEYS, collate_extras
 
 __all__ = ["PadCollate", "FlatCollate", "ROW_KEYS", "TOKEN_ALIGNED_KEYS"]
@@ -26,6 +28,18 @@ TOKEN_ALIGNED_KEYS = ("mm_token_type_ids", "token_type_ids")
 tokens -- Qwen2-VL's ``mm_token_type_ids`` is 0 text, 1 image, 2 video)."""
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask") + TOKEN_ALIGNED_KEYS
 _FLAT_KEYS = _TOKEN_KEYS + ("position_ids",)  # FlatCollate builds the packed row's own
+
+
+def _multiple(*values: int | None) -> int:
+    """The least common multiple of the given row multiples (``None``: 1)."""
+    return math.lcm(*[v or 1 for v in values])
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left along the last dim, -100 at the end: the label each position predicts."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[..., :-1] = labels[..., 1:]
+    return out
 
 
 def _aligned(samples: Sequence[Mapping], lengths: Sequence[int]) -> dict[str, list[torch.Tensor]]:
@@ -62,12 +76,15 @@ class PadCollate:
     row_keys: tuple[str, ...] = ROW_KEYS
     """Keys holding per-item rows (images, audio frames), concatenated along dim 0; a sample without one adds
     no rows (NOTE [ Extra keys in the default collates ])."""
+    shard: ShardLayout | None = None
+    """Shard-ready rows for a CP/SP group (NOTE [ Shard-ready rows ] in evenflow.planning.shard): the width a
+    multiple of ``2 x cp`` / ``sp``, plus ``position_ids`` and pre-shifted ``shift_labels``."""
 
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         ids = [_as_long(s["input_ids"]).reshape(-1) for s in samples]
         width = max(len(x) for x in ids)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        multiple = _multiple(self.pad_to_multiple_of, self.shard and self.shard.unit)
+        width = -(-width // multiple) * multiple
         input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(ids), width), dtype=torch.long)
         for row, x in enumerate(ids):
@@ -84,6 +101,9 @@ class PadCollate:
             out[key] = torch.zeros((len(ids), width), dtype=torch.long)
             for row, v in enumerate(values):
                 out[key][row, :len(v)] = v
+        if self.shard is not None:
+            out["position_ids"] = torch.arange(width, dtype=torch.long).expand(len(ids), width).clone()
+            out["shift_labels"] = _shifted(labels)
         out.update(collate_extras(samples, _TOKEN_KEYS, self.row_keys))
         return out
 
@@ -119,7 +139,13 @@ class FlatCollate:
     use_cache: bool | None = False
     """Value of the batch's ``use_cache`` entry (NOTE [ Packing and the KV cache ]); ``None``: no such entry."""
     row_keys: tuple[str, ...] = ROW_KEYS
-    """As :attr:`PadCollate.row_keys`."""
+    """As [`PadCollate.row_keys`][PadCollate.row_keys]."""
+    shard: ShardLayout | None = None
+    """Shard-ready rows for a CP/SP group (NOTE [ Shard-ready rows ] in evenflow.planning.shard): under
+    ``"ring"`` every document padded to a multiple of ``2 x cp`` (its padding continues its positions and is in
+    its segment), under ``"ulysses"`` the row to a multiple of ``sp``; adds pre-shifted ``shift_labels`` and
+    ``cu_seqlens_padded`` / ``cu_seqlens_unpadded`` (int32; the ``cu_seq_lens_q/k`` kernels use are the padded
+    ones)."""
 
     def __post_init__(self) -> None:
         if self.use_cache:
@@ -134,12 +160,21 @@ class FlatCollate:
             lab[0] = IGNORE_INDEX
             labels.append(lab)
         lengths = [len(x) for x in ids]
+        real = list(lengths)
         aligned = _aligned(samples, lengths)
         positions = [torch.arange(n, dtype=torch.long) for n in lengths]
+        if self.shard is not None and self.shard.style == "ring":
+            for i, n in enumerate(real):  # each document padded inside its own segment (NOTE [ Shard-ready rows ])
+                extra = self.shard.document_length(n) - n
+                ids[i] = torch.cat([ids[i], torch.full((extra,), self.pad_token_id, dtype=torch.long)])
+                labels[i] = torch.cat([labels[i], torch.full((extra,), IGNORE_INDEX, dtype=torch.long)])
+                positions[i] = torch.arange(n + extra, dtype=torch.long)
+                for values in aligned.values():
+                    values[i] = torch.cat([values[i], torch.zeros(extra, dtype=torch.long)])
+                lengths[i] = n + extra
         total = sum(lengths)
-        pad = 0
-        if self.pad_to_multiple_of:
-            pad = -(-total // self.pad_to_multiple_of) * self.pad_to_multiple_of - total
+        multiple = _multiple(self.pad_to_multiple_of, self.shard and self.shard.unit)
+        pad = -(-total // multiple) * multiple - total
         if pad:
             # Padding is one extra "sequence" (positions restart at 0) the loss ignores; cu_seq_lens covers it so
             # kernels stay in bounds, and the position restart keeps it out of the last real sequence's attention.
@@ -162,6 +197,10 @@ class FlatCollate:
             "max_length_k": longest,
         }
         out.update({key: torch.cat(values)[None] for key, values in aligned.items()})
+        if self.shard is not None:  # labels shifted per segment: no shard needs its neighbour's first label
+            out["shift_labels"] = torch.cat([_shifted(lab) for lab in labels])[None]
+            out["cu_seqlens_padded"] = cu.clone()
+            out["cu_seqlens_unpadded"] = torch.tensor([0] + real, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         if self.use_cache is not None:
             out["use_cache"] = self.use_cache
         out.update(collate_extras(samples, _FLAT_KEYS, self.row_keys))

@@ -3,8 +3,8 @@
 NOTE [ Extra keys in the default collates ]
     Global planning mixes samples read by different ranks in one batch, and multimodal data mixes text-only
     samples with image and audio ones, so a key can be present on some samples of a batch and absent on
-    others. The default collates (:class:`~evenflow.PadCollate`, :class:`~evenflow.FlatCollate`) collate every
-    key found on *any* sample of the batch (never only ``samples[0]``'s), each by what it means -- never by
+    others. The default collates ([`PadCollate`][evenflow.PadCollate], [`FlatCollate`][evenflow.FlatCollate]) collate
+    every key found on *any* sample of the batch (never only ``samples[0]``'s), each by what it means -- never by
     the shapes that happen to meet in one batch -- and never drop one silently:
 
     - Row keys (``ROW_KEYS``: ``pixel_values``, ``image_grid_thw``, their video twins, ``audio_features``):
@@ -24,8 +24,8 @@ NOTE [ Extra keys in the default collates ]
       audio adds no clip. What Qwen2-Audio / Qwen2.5-Omni consume (a model that needs a fixed frame count: pad
       the clips in the dataset).
     - Any other key: per-sample metadata. It must be on every sample of the batch (no fill can be right for
-      an unknown key): a missing one raises :class:`MissingKeyError` naming the key and the sample, which the
-      loader reports with the sample's dataset index on every rank. Tensors of one shape are stacked
+      an unknown key): a missing one raises [`MissingKeyError`][MissingKeyError] naming the key and the sample, which
+      the loader reports with the sample's dataset index on every rank. Tensors of one shape are stacked
       (``(batch, ...)``), anything else is handed over as a list (ints, strings, tensors of varying shape).
       A key holding per-item rows of another name: add it to ``row_keys``.
 """

@@ -64,7 +64,7 @@ _HELPER_EXIT_S = 5.0
 class Handoff:
     """Ready batches between the collation thread and the trainer, with back-pressure and a stop flag.
 
-    A failure (this rank's or a peer's, NOTE [ Faults in the round sequence ]) jumps the queue: :meth:`get`
+    A failure (this rank's or a peer's, NOTE [ Faults in the round sequence ]) jumps the queue: [`get()`][get]
     raises it before any batch still held. A peer's STOP(r, s) is raised once the trainer asks past step s.
     """
 
@@ -87,7 +87,7 @@ class Handoff:
             self._cond.notify_all()
 
     def fail(self, exc: BaseException) -> None:
-        """Raise ``exc`` at the trainer's next :meth:`get`, ahead of queued batches (a failed exchange, a peer's
+        """Raise ``exc`` at the trainer's next [`get()`][get], ahead of queued batches (a failed exchange, a peer's
         trainer error: the ranks cannot stay level any more)."""
         with self._cond:
             if self._failure is None:
@@ -169,7 +169,7 @@ class Handoff:
 
 
 class StopState(NamedTuple):
-    """What :meth:`Handoff.stop_state` read at once."""
+    """What [`Handoff.stop_state()`][Handoff.stop_state] read at once."""
 
     requested: bool
     step: int
@@ -202,7 +202,7 @@ class SampleSpec:
 
     @property
     def user_calls(self) -> str:
-        """What :meth:`measure` calls of the user's, as an error names it."""
+        """What [`measure()`][measure] calls of the user's, as an error names it."""
         names = [n for n, fn in (("length_fn", self.length_fn), ("resources_fn", self.resources_fn)) if fn]
         return " / ".join(names) if names else "measuring a sample"
 
@@ -313,7 +313,7 @@ def _as_array(value: object) -> np.ndarray:
 
 
 class EpochPipeline(threading.Thread):
-    """Runs the rounds of one epoch (NOTE [ Round sequence ]) and feeds :class:`Handoff`."""
+    """Runs the rounds of one epoch (NOTE [ Round sequence ]) and feeds [`Handoff`][Handoff]."""
 
     def __init__(self, *, planner: RankPlanner, stream: Iterator | None, total: int | None, skip: frozenset,
                  exchange: MetadataExchange, fingerprint: int, spec: SampleSpec, collate_fn: Callable,
@@ -326,7 +326,8 @@ class EpochPipeline(threading.Thread):
                  call_limit: timedelta | None = None, workers: bool = False,
                  dead_workers: Callable[[], str | None] | None = None,
                  check_batch: Callable[[object, list], None] | None = None,
-                 stream_check: StreamCheck | None = None) -> None:
+                 stream_check: StreamCheck | None = None,
+                 prefetch: Callable[[object, StepInfo], None] | None = None) -> None:
         super().__init__(name=f"evenflow-collate-e{epoch}", daemon=True)
         self.planner = planner
         self.stream = stream
@@ -364,6 +365,9 @@ class EpochPipeline(threading.Thread):
         """The default collates: a batch larger than the budget means a ``length_fn`` that underestimates."""
         self.stream_check = stream_check
         """Iterable streams: the unsplit-stream check, gathered once (NOTE [ Sharding mistakes ] in shard_check.py)."""
+        self.prefetch = prefetch
+        """Run on every batch before it is handed over (NOTE [ Per-step prefetch ] in prefetch.py)."""
+        self.prefetch_error: BaseException | None = None
         self.pulled = 0
         self.exhausted = total == 0 or stream is None
         self.error: BaseException | None = error
@@ -391,6 +395,8 @@ class EpochPipeline(threading.Thread):
 
     def _round(self) -> bool:
         """One round of NOTE [ Round sequence ]; False once the epoch is over on every rank."""
+        if self.prefetch_error is not None:  # every rank's failed at the same step (NOTE [ Per-step prefetch ])
+            return False
         confirming = self.ending
         if not confirming:
             self._fill()
@@ -675,8 +681,23 @@ class EpochPipeline(threading.Thread):
                             world_size=self.world, window_loss_tokens=window_tokens, window_end=i == last,
                             max_padded_tokens=p["max_padded"], mean_padded_tokens=p["mean_padded"],
                             steps_bound=p["bound"])
+            if self.prefetch is not None and not self._prefetch(p["batch"], info):
+                break
             self.handoff.put(("batch", Release(_attach(p["batch"], info), info, p["owned"])))
         self.pending = []
+
+    def _prefetch(self, batch: object, info: StepInfo) -> bool:
+        """The registered per-step callable on ``batch`` (NOTE [ Per-step prefetch ]); False once it failed: its
+        exception is queued behind the batches already handed over, and nothing more is released."""
+        if self.prefetch_error is not None:
+            return False
+        try:
+            self.prefetch(batch, info)
+        except BaseException as exc:  # noqa: BLE001 - shared by the callable's own exchange: every rank is here
+            self.prefetch_error = exc
+            self.handoff.fail_in_order(exc)
+            return False
+        return True
 
 
 def _named(key: object, otherwise: str) -> str:

@@ -2,7 +2,7 @@
 
 Rank, world size and the gloo group are resolved once here, on the constructing thread, and then passed
 around as plain values. Every collective names its group, and its tensors are freed on the calling thread, never
-by the backend's worker thread (:func:`release`, NOTE [ Exit-time teardown ] in teardown.py).
+by the backend's worker thread ([`release()`][release], NOTE [ Exit-time teardown ] in teardown.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def release(buffers: list) -> None:
 
 def sum_over(value: float, group: object | None) -> float:
     """``value`` summed over the ranks of ``group`` (the default group when None; a CPU backend such as gloo) in
-    float64, its tensor released before it returns (:func:`release`); collective."""
+    float64, its tensor released before it returns ([`release()`][release]); collective."""
     buffers = [torch.tensor(value, dtype=torch.float64)]
     dist.all_reduce(buffers[0], group=group)
     total = float(buffers[0])
@@ -181,7 +181,7 @@ class PeerTable:
 class MetadataExchange:
     """Fixed-size int64 all_gather over the metadata group (identity when world_size == 1).
 
-    ``peers``: the loader's shared :class:`PeerTable` (an exchange over a sub-group passes the world one, so
+    ``peers``: the loader's shared [`PeerTable`][PeerTable] (an exchange over a sub-group passes the world one, so
     its errors name world ranks); a new one for ``topology.rank`` by default.
     """
 
@@ -208,10 +208,10 @@ class MetadataExchange:
             self.close()
 
     def _hold(self, buffers: list) -> None:
-        """Keep ``buffers`` (the only references to a finished collective's tensors) for :data:`_HELD_EXCHANGES`
-        exchanges (fewer when the older ones pass :data:`_HELD_BYTES`): by then the group's worker threads have
-        long dropped the work that held them too, so they are freed on this thread and no worker needs the GIL for
-        them (:func:`release` waits for one that still does)."""
+        """Keep ``buffers`` (the only references to a finished collective's tensors) for
+        [`_HELD_EXCHANGES`][_HELD_EXCHANGES] exchanges (fewer when the older ones pass [`_HELD_BYTES`][_HELD_BYTES]): by
+        then the group's worker threads have long dropped the work that held them too, so they are freed on this thread
+        and no worker needs the GIL for them ([`release()`][release] waits for one that still does)."""
         self._held.append(buffers)
         self._held_bytes.append(sum(t.numel() * t.element_size() for t in buffers))
         while len(self._held) > 1 and (len(self._held) > _HELD_EXCHANGES or sum(self._held_bytes) > _HELD_BYTES):
@@ -295,7 +295,7 @@ def planning_groups(topology: Topology, size: int, timeout: timedelta) -> Planni
 
 
 class TwoLevelExchange(MetadataExchange):
-    """The same ``[world_size, size]`` result as :class:`MetadataExchange`, gathered in two levels.
+    """The same ``[world_size, size]`` result as [`MetadataExchange`][MetadataExchange], gathered in two levels.
 
     A ring all_gather over W ranks takes W - 1 hops; this takes (k - 1) inside the planning group, then
     (W/k - 1) among the group leaders, then a broadcast inside the group (log2 k hops): at 2,560 ranks in

@@ -4,28 +4,29 @@ NOTE [ The planned epoch length ]
     Which samples form which batch depends only on the samples' lengths (and extra resources), the seed, the
     epoch and the configuration -- never on timing -- and evenflow.sim replays the loader step for step on
     lengths alone (tests/test_sim_matches_loader.py). So given every sample's length, the number of batches of
-    any epoch is known before it starts: :func:`planned_steps` runs the simulator's public schedules
-    (:func:`evenflow.sim.evenflow_schedule` for ``planning="local"`` (``balance=True`` moves samples, never
-    steps), :func:`evenflow.sim.global_schedule` for ``"global"``), so planner changes carry over. ``len(loader)``
-    is then that count before and during the epoch -- what HF, Lightning and LR schedulers size themselves from
-    -- instead of the upper bound ``ceil(N / W)`` (100 for a 25-step epoch) that tightens only as lengths arrive.
+    any epoch is known before it starts: [`planned_steps()`][planned_steps] runs the simulator's public schedules
+    ([`evenflow.sim.evenflow_schedule()`][evenflow.sim.evenflow_schedule] for ``planning="local"`` (``balance=True``
+    moves samples, never steps), [`evenflow.sim.global_schedule()`][evenflow.sim.global_schedule] for ``"global"``), so
+    planner changes carry over. ``len(loader)`` is then that count before and during the epoch -- what HF, Lightning and
+    LR schedulers size themselves from -- instead of the upper bound ``ceil(N / W)`` (100 for a 25-step epoch) that
+    tightens only as lengths arrive.
 
-    Where the lengths come from (:func:`dataset_lengths`): a column the user has (``lengths=ds["length"]``), an
-    HF ``datasets.Dataset``'s ``input_ids`` column read from its Arrow offsets in batches of rows (no token is
-    converted to Python: 13 ms for 200,000 rows; a dataset with an indices mapping -- shuffled or filtered, as
-    TRL's preparation leaves it -- copies each batch once: 2.9 s for 200,000 rows of ~200 tokens, measured on the
-    2-core development machine under load), or one pass of ``__getitem__`` over the dataset (the whole pipeline once: use a column when
-    the pipeline is costly). They must be what the loader measures (``length_fn``, default ``len(input_ids)``):
-    every batch checks the sum of its samples' given lengths against the measured one and raises on a mismatch,
-    naming the samples (a wrong count would end HF's epoch early or leave its LR schedule unfinished).
+    Where the lengths come from ([`dataset_lengths()`][dataset_lengths]): a column the user has
+    (``lengths=ds["length"]``), an HF ``datasets.Dataset``'s ``input_ids`` column read from its Arrow offsets in batches
+    of rows (no token is converted to Python: 13 ms for 200,000 rows; a dataset with an indices mapping -- shuffled or
+    filtered, as TRL's preparation leaves it -- copies each batch once: 2.9 s for 200,000 rows of ~200 tokens, measured
+    on the 2-core development machine under load), or one pass of ``__getitem__`` over the dataset (the whole pipeline
+    once: use a column when the pipeline is costly). They must be what the loader measures (``length_fn``, default
+    ``len(input_ids)``): every batch checks the sum of its samples' given lengths against the measured one and raises on
+    a mismatch, naming the samples (a wrong count would end HF's epoch early or leave its LR schedule unfinished).
 
     Cost of the simulation: ~2-30 us per sample per epoch on one CPU core (global planning is the faster),
     e.g. 50,000 samples on 2 ranks: 0.3 s (global), 1.4 s (local); run once per epoch, on first ``len()``.
 
     Covered: map-style datasets in join mode, a fresh epoch (not one resumed mid-way: its remaining steps depend
     on how the buffers were refilled, so it reports the bound), one planning group (``planning_group`` unset
-    or equal to the world size), ``oversize="error"`` under global planning. Otherwise :func:`planned_steps`
-    says why in its ``None`` reason and ``len()`` stays the bound.
+    or equal to the world size), ``oversize="error"`` under global planning. Otherwise
+    [`planned_steps()`][planned_steps] says why in its ``None`` reason and ``len()`` stays the bound.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class PlannedLengths:
             f"rank {rank}, samples {sample_ids}: lengths= gives them {given} tokens but the loader measured "
             f"{measured}; the planned epoch length ({self._steps.get(epoch)} steps, len()) is wrong. Pass the "
             "lengths the loader measures (length_fn, default len(sample['input_ids']), after any truncation), e.g. "
-            "evenflow.runtime.epoch_plan.dataset_lengths(dataset)")
+            "evenflow.dataset_lengths(dataset)")
 
 
 def as_plan_lengths(lengths: Sequence[int] | Mapping[str, Sequence[int]], num_samples: int,
@@ -124,7 +125,8 @@ def plan_coverage(*, join: bool, oversize: str, world_size: int, planning: str, 
 
 def planned_steps(tokens: np.ndarray, extra: Mapping[str, np.ndarray], config: LoaderConfig, *, world_size: int,
                   planning: str, epoch: int) -> int:
-    """Batches each rank yields in ``epoch`` (NOTE [ The planned epoch length ]); check :func:`plan_coverage` first.
+    """Batches each rank yields in ``epoch`` (NOTE [ The planned epoch length ]); check
+    [`plan_coverage()`][plan_coverage] first.
 
     The simulator deals epoch 0's shards; the loader deals ``epoch``'s (seeded by ``[seed, epoch]``, or in order
     without shuffle). Giving the simulator's sample ``sim[r][j]`` the length of the loader's ``real[r][j]`` makes

@@ -1,4 +1,5 @@
-"""Moved to :mod:`evenflow.errors`: this old path forwards every name there, with a ``DeprecationWarning``."""
+"""Moved to [`evenflow.errors`][evenflow.errors]: this old path forwards every name there, with a
+``DeprecationWarning``."""
 
 from ..deprecation import moved
 

@@ -115,6 +115,7 @@ class GlobalRound:
         self.extra_names = tuple(grouping.extra_budgets)
         self.config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
                                        max_wait_rounds=alignment.max_wait_rounds, grad_accum_steps=grad_accum_steps,
+                                       join=alignment.join,
                                        time_cost=time_cost or default_time_cost(grouping.cost))
         self.moves = moves if moves is not None else Moves()
         """The loader's count of what this rank sent to peers (``loader.moves``)."""

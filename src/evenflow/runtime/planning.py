@@ -2,7 +2,7 @@
 
 Light on purpose: every loader imports this; only a loader that runs ``"global"`` imports
 evenflow.runtime.global_round (and scipy), at construction, so the first round does not stall on an import.
-``"auto"`` (the default) is resolved once, at construction, by :func:`resolve_planning` from the
+``"auto"`` (the default) is resolved once, at construction, by [`resolve_planning()`][resolve_planning] from the
 configuration alone; the resolved policy is what the fingerprint and the first-exchange check compare.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["PLANNING_POLICIES", "PLANNING_CHOICES", "PlanningChoice", "MAX_PLANN
 PLANNING_POLICIES = ("local", "global")
 """The policies a loader runs."""
 PLANNING_CHOICES = ("auto", *PLANNING_POLICIES)
-"""What ``planning=`` accepts: a policy, or ``"auto"`` (resolved by :func:`resolve_planning`)."""
+"""What ``planning=`` accepts: a policy, or ``"auto"`` (resolved by [`resolve_planning()`][resolve_planning])."""
 PlanningChoice = Literal["auto", "local", "global"]
 
 MAX_PLANNING_GROUP = 64
@@ -30,11 +30,12 @@ MAX_PLANNING_GROUP = 64
 (2 + extras) int64 per rank (4,096 x 2 x 8 B = 64 KiB), so each of k ranks receives k x 64 KiB a round."""
 
 NODE_SIZE = 8
-"""Planning-group size above :data:`MAX_PLANNING_GROUP` ranks: one node of 8 accelerators."""
+"""Planning-group size above [`MAX_PLANNING_GROUP`][MAX_PLANNING_GROUP] ranks: one node of 8 accelerators."""
 
 
 def default_planning_group(world_size: int) -> int:
-    """All ranks up to :data:`MAX_PLANNING_GROUP`; above, one node (8 ranks) when W is a multiple of 8, else 64.
+    """All ranks up to [`MAX_PLANNING_GROUP`][MAX_PLANNING_GROUP]; above, one node (8 ranks) when W is a multiple of 8,
+    else 64.
 
     >>> default_planning_group(4), default_planning_group(2560), default_planning_group(100)
     (4, 8, 64)
@@ -63,16 +64,16 @@ def resolve_planning(requested: str, world_size: int, *, balance: bool, planning
 
         Only the configuration decides (never the data or the machine), so every rank with the same arguments
         resolves the same policy; a rank that resolves differently is refused at the first exchange
-        (:func:`check_planning`) naming both settings.
+        ([`check_planning()`][check_planning]) naming both settings.
 
-        What the default trains is part of the plan (issue 18, evenflow.planning.pooled.mix): each optimizer
+        What the default trains is part of the plan (evenflow.planning.pooled.mix): each optimizer
         step takes its micro-batches from different length strata, and each round emits a systematic sample
         of its groups in random order: the epoch runs in no length curriculum, and steps are more mixed than
         before on every measured row (H_g <= 1 against a random deal of the same micro-batches at W = 2;
-        above 1 on most data sets at W = 4 and 8, README "What the default trains"). Measured in the demo's single-process
-        replay (``benchmarks/quality_replay.py``, paired with random fixed batches of the same samples per
-        step, held-out nats/token, 95 % CI): on chitchat the library default +0.036 [-0.005, +0.082] (32
-        seeds), the pre-issue-18 cost-ordered steps +0.104 and local +0.082 (16 seeds, sqrt LR rule); on
+        above 1 on most data sets at W = 4 and 8, README "What the default trains"). Measured in the demo's
+        single-process replay (``benchmarks/training/quality_replay.py``, paired with random fixed batches of the same
+        samples per step, held-out nats/token, 95 % CI): on chitchat the library default +0.036 [-0.005, +0.082] (32
+        seeds), the older cost-ordered steps +0.104 and local +0.082 (16 seeds, sqrt LR rule); on
         hh-rlhf's short dialogues the default +0.018 [+0.009, +0.026] (8 seeds) -- what its two
         length-homogeneous micro-batches per step cost under AdamW, which two micro-batches per rank and step
         (``grad_accum_steps=2``, half the budget) take away. Check held-out quality, not only throughput, when
@@ -134,7 +135,8 @@ class PlanningSetup:
 
 def setup_planning(requested: str, group: int | None, topology: Topology, timeout: timedelta, *,
                    balance: bool) -> PlanningSetup:
-    """Resolve the policy (:func:`resolve_planning`) and its groups; collective over the metadata group when
+    """Resolve the policy ([`resolve_planning()`][resolve_planning]) and its groups; collective over the metadata group
+    when
     the policy is ``"global"`` with more than one group."""
     world = topology.world_size
     policy = resolve_planning(requested, world, balance=balance, planning_group=group)

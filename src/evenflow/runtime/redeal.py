@@ -49,7 +49,7 @@ def check_world(states: Sequence[Mapping]) -> list[Mapping]:
     """The states of one checkpoint, ordered by rank; ValueError naming what is missing, repeated or differs.
 
     ``states`` already passed the schema check. Refused: a rank without a state, two states of one rank, and
-    states that differ in any of :data:`SHARED_FIELDS` (naming the field and which ranks hold which value).
+    states that differ in any of [`SHARED_FIELDS`][SHARED_FIELDS] (naming the field and which ranks hold which value).
     """
     for field in SHARED_FIELDS:
         values: dict = {}

@@ -23,13 +23,16 @@ STATE_FIELDS = {
     "version": int, "fingerprint": int, "world_size": int, "rank": int, "token_budget": int,
     "num_samples": (int, type(None)), "join": bool, "epoch": int, "finished": bool, "step": int,
     "num_workers": int, "carry": list, "next_carry": list, "consumed": list, "stream": (list, type(None)),
-    "content": (int, type(None)), "config": (dict, type(None)),
+    "content": (int, type(None)), "config": (dict, type(None)), "data": (dict, type(None)),
 }
 """``stream``: None (the rank reads its shard of the epoch) or the keys dealt to it when the epoch was resumed on
 another number of ranks (NOTE [ Re-dealing a resumed epoch ] in evenflow.runtime.redeal). ``content``: the data's
 token-content fingerprint (a map-style dataset's few items, an iterable stream's first samples: NOTE [ Sharding
-mistakes ] in evenflow.runtime.shard_check), None when it could not be taken. ``config``: the arguments that decide
-the batches, by name, so a refusal names the one that changed (None in states of earlier releases)."""
+mistakes ] in evenflow.runtime.shard_check), None when it could not be taken, and None for a map-style dataset
+since version 5, whose ``data`` holds more: its resume fingerprint (NOTE [ The resume fingerprint ] in
+evenflow.runtime.resume_print; None for an IterableDataset and in states of earlier releases). ``config``: the
+arguments that decide the batches, by name, so a refusal names the one that changed (None in states of earlier
+releases)."""
 
 _INT_LIMIT = 2 ** 62
 """No real counter comes near it; beyond it ``2 * step + 1`` would not fit the int64 round report."""
@@ -42,7 +45,7 @@ def key_order(key: object) -> tuple:
 
 def as_key(value: object) -> object:
     """A key read back from a state: ints stay ints; 2-element lists (a state that went through JSON) or
-    tuples become tuples. Anything else is returned as is and refused by :func:`validate_state`."""
+    tuples become tuples. Anything else is returned as is and refused by [`validate_state()`][validate_state]."""
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return tuple(int(v) if _is_int(v) else v for v in value)
     return int(value) if _is_int(value) else value

@@ -8,16 +8,21 @@ NOTE [ Sharding mistakes ]
     on every rank, and so may the lengths and first tokens of its items (samples padded to a fixed length after a
     shared system prompt); an unsplit iterable, each rank shuffling it with its own seed, trains every sample W
     times. What is compared is a sample's *token content*: ``input_ids`` and ``labels``, digested in full
-    (:func:`token_digest`); other keys (pixel values, audio features) may change between reads or by rank.
+    ([`token_digest()`][token_digest]); other keys (pixel values, audio features) may change between reads or by rank.
 
-    - Map-style (:func:`content_print`): ``PICKS`` items at indices spread over ``len(dataset)`` (the same indices
-      on every rank) are read twice in the main process, once per loader. Token content that changes between the
+    - Map-style ([`content_print()`][content_print]): ``PICKS`` items at indices spread over ``len(dataset)`` (the same
+      indices on every rank) are read twice in the main process, once per loader. Token content that changes between the
       two reads (a random crop or truncation, a random prompt) cannot be compared: the rank refuses the epoch in
       its first round, naming ``shard_check=False`` (a split dataset with random crops is refused the same way).
       Otherwise the digests join ``len(dataset)`` in the first exchange's ``content`` field, which every rank
       must agree on (evenflow.planning.alignment): a dataset split per rank is refused on every rank in the first
       round, whatever its padding or shared prompt. A whole dataset whose augmentation is seeded by (rank, index)
       and changes token ids cannot be told from a split one by its content: refused too, naming the flag.
+      A check that cannot run is never a pass: ``worker_timeout`` bounds *each* read (slow storage makes the
+      check slower, not skipped), and a read past it, or one that raises, refuses the epoch on every rank
+      naming the item, the bound and the flag (refused rather than warned: the epoch would meet the same read
+      under the same bound). Items without integer ``input_ids`` (tokenized by ``collate_fn``) leave nothing
+      to compare: every rank warns, naming the flag that silences it.
       Cost: ``2 x PICKS`` ``__getitem__`` calls and their digests, once per loader.
     - Iterable (evenflow.runtime.stream_check): each rank digests the first ``window`` samples of its stream
       (``buffer_size``, at most ``MAX_WINDOW``); once every rank has them (or ran dry) -- the first round when
@@ -25,14 +30,15 @@ NOTE [ Sharding mistakes ]
       loader (a bottom-k sketch above ``FULL_WORLD`` ranks) and count identical samples *across* ranks
       (X, pairs of copies on two ranks) and *within* ranks (Y). Streams split per rank share only natural
       repeats, and a repeated sample's copies land on two ranks (W - 1) times as often as on one, so X is about
-      (W - 1) Y; unsplit streams share every sample, X >> Y. Refused when X >= ``MIN_SHARED``, X >= ``RATIO``
-      (W - 1) Y, and the binomial tail P[Bin(X + Y, (W - 1) / W) >= X] <= ``ALPHA`` (the chance that split
-      streams' repeats fall this unevenly). Unsplit streams of N samples share about C(W, 2) window^2 / N: at
-      W = 2, window = 4,096, N = 1M that is 16.8 pairs, refused with probability 99.8 % (measured: 99 of 100
+      (W - 1) Y; unsplit streams share every sample, X >> Y (neighbours that an interleaved split deals to
+      two ranks are taken out of X: NOTE [ Neighbours dealt apart ] in stream_check.py). Refused when X >=
+      ``MIN_SHARED``, X >= ``RATIO`` (W - 1) Y, and the binomial tail P[Bin(X + Y, (W - 1) / W) >= X] <= ``ALPHA`` (the
+      chance that split streams' repeats fall this unevenly). Unsplit streams of N samples share about C(W, 2) window^2
+      / N: at W = 2, window = 4,096, N = 1M that is 16.8 pairs, refused with probability 99.8 % (measured: 99 of 100
       seeds; every seed at N <= 100K or W >= 4); larger streams slip through (W = 2: 34 of 100 missed at 2M, 84
       at 4M). Split streams whose samples repeat 5 % within each stream share nothing: 0 refusals; when the data
       set's repeats are dealt across ranks they do share, and the rule refuses at most ~0.3 % of seeds at its
-      worst N (measured: 1 of 2,400; benchmarks/shard_check_sim.py, on digests, docs/mistakes.md). Cost: one
+      worst N (measured: benchmarks/loader/shard_check_sim.py, on digests, docs/mistakes.md). Cost: one
       digest per sample of the window (~55 us for 840 tokens), one all_gather of window int64 per rank, once
       per loader (benchmarks/bench_shard_check.py).
 
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -90,13 +97,24 @@ class ContentPrint:
     """What a few items of a map-style dataset say about its content (NOTE [ Sharding mistakes ])."""
 
     value: int | None
-    """Fingerprint of the picked items' token digests; None when they cannot be compared (unreadable in time,
-    not token samples, or token content that changes between reads)."""
+    """Fingerprint of the picked items' token digests; None when they cannot be compared."""
     unstable: tuple[int, ...] = ()
     """Indices whose token content changed between two reads."""
+    unread: str = ""
+    """Why the check could not read its items: one read ran past ``worker_timeout``, or raised."""
+    untokened: bool = False
+    """The items are not token samples (no integer ``input_ids``): there is nothing to compare."""
 
     def error(self, rank: int) -> ValueError | None:
-        """The refusal of a dataset whose token ids change between reads (None when they do not)."""
+        """The refusal of a dataset whose token ids change between reads, or whose items the check could not
+        read (None when neither)."""
+        if self.unread:
+            return ValueError(
+                f"evenflow: rank {rank}: the sharding check could not read the dataset: {self.unread}. It reads "
+                f"{PICKS} items twice to refuse a dataset already split per rank (datasets.distributed."
+                "split_dataset_by_node, Dataset.shard), which would be split again and train 1/W of the data, and "
+                "an unread check is not a pass. Make the item readable, raise worker_timeout= if a read is "
+                "legitimately this slow, or pass shard_check=False if every rank holds the whole dataset")
         if not self.unstable:
             return None
         return ValueError(
@@ -108,35 +126,63 @@ class ContentPrint:
             "dataset, pass shard_check=False (or seed the augmentation by (seed, epoch, index), the same on every "
             "rank); if it is split per rank, pass the whole dataset: the loader shards it by index")
 
+    def warning(self, rank: int) -> str | None:
+        """What to warn when the items are not token samples, so the check compares nothing (None otherwise)."""
+        if not self.untokened:
+            return None
+        return (f"evenflow: rank {rank}: the sharding check cannot compare this dataset: its items have no integer "
+                "input_ids (tokenized later, by collate_fn?), so a dataset already split per rank "
+                "(split_dataset_by_node, Dataset.shard) would not be refused and would train 1/W of the data. "
+                "Pass the whole dataset on every rank; shard_check=False silences this warning")
+
     @property
     def compared(self) -> int:
         """The report's ``content`` field: the fingerprint, or NO_VALUE (not compared)."""
         return NO_VALUE if self.value is None else self.value
 
 
+_READ_POLL_S = 0.05
+
+
 def content_print(dataset: Sequence, limit_s: float | None = None) -> ContentPrint:
-    """Token digests of ``PICKS`` spread items, each read twice (NOTE [ Sharding mistakes ]). Not compared
-    when reading them takes longer than ``limit_s`` (a ``__getitem__`` that blocks is then met -- and named,
-    under ``worker_timeout`` -- by the epoch's own stream; the reader thread is left behind, a daemon) or fails."""
+    """Token digests of ``PICKS`` spread items, each read twice (NOTE [ Sharding mistakes ]). ``limit_s`` bounds
+    *each* read (``worker_timeout``, like the epoch's own calls), not their sum: slow storage makes the check
+    slow, never skipped. A read past it, or one that raises, leaves the check unread
+    ([`ContentPrint.error()`][ContentPrint.error] refuses the epoch); the reader thread is then left behind, a
+    daemon."""
     n = len(dataset)
     picks = sorted({(k * n) // PICKS for k in range(PICKS)} - {n}) if n else []
     got: list = []
+    reading = [time.monotonic(), None]  # when the current read started, and its index
+    failed: list[str] = []
+    done = threading.Event()
 
     def read() -> None:
         try:
-            got.append([token_digest(dataset[i]) for i in picks])
-            got.append([token_digest(dataset[i]) for i in picks])
-        except Exception:  # noqa: BLE001 - a failing item is named by the epoch's own stream, with its index
-            pass
+            for _ in range(2):
+                row = []
+                for i in picks:
+                    reading[:] = [time.monotonic(), i]
+                    row.append(token_digest(dataset[i]))
+                got.append(row)
+        except Exception as exc:  # noqa: BLE001 - named in the refusal
+            failed.append(f"reading item {reading[1]} raised {type(exc).__name__}: {exc}"[:500])
+        finally:
+            done.set()
 
     reader = threading.Thread(target=read, name="evenflow-shard-check", daemon=True)
     reader.start()
-    reader.join(limit_s)
-    if len(got) < 2:  # timed out, or a failing item (reported by the epoch's own stream, with its index)
+    while not done.wait(_READ_POLL_S):
+        started, index = reading
+        if limit_s is not None and time.monotonic() - started > limit_s:
+            return ContentPrint(None, unread=f"reading item {index} took longer than worker_timeout={limit_s:g}s")
+    if failed:
+        return ContentPrint(None, unread=failed[0])
+    if not picks:
         return ContentPrint(None)
     first, again = got
-    if not picks or any(d is None for d in first + again):
-        return ContentPrint(None)
+    if any(d is None for d in first + again):
+        return ContentPrint(None, untokened=True)
     unstable = tuple(i for i, a, b in zip(picks, first, again) if a != b)
     if unstable:
         return ContentPrint(None, unstable)

@@ -7,8 +7,10 @@ rank's own stream; the key of a sample is its position in that stream.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import signal
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,7 +79,7 @@ class _Packed:
 
 
 def _pack(item):
-    """Worker side: small CPU tensors -> :class:`_Packed`, inside dicts, lists and tuples; refuse what cannot
+    """Worker side: small CPU tensors -> [`_Packed`][_Packed], inside dicts, lists and tuples; refuse what cannot
     leave the worker (NOTE [ Samples that cannot be pickled ])."""
     _check_picklable(item)
     return _pack_value(item)
@@ -165,7 +167,7 @@ def _identity(x):
 
 
 def _checked(x):
-    """Worker side with pin_memory (tensors stay tensors): only the pickling check of :func:`_pack`."""
+    """Worker side with pin_memory (tensors stay tensors): only the pickling check of [`_pack()`][_pack]."""
     _check_picklable(x)
     return x
 
@@ -192,8 +194,19 @@ class StreamOptions:
     timeout: float = 0
 
 
+# NOTE [ Workers that end early ]
+#     Every worker notes its pid in a shared array (its slot: 0 = not started yet), so the collation thread sees
+#     a dead worker at once (NOTE [ User code is bounded ] in calls.py). But torch stops an IterableDataset's
+#     worker as soon as *its* shard is exhausted, while its siblings go on: with shards of different lengths
+#     (10 files over 3 workers, an empty shard) a worker that finished looks exactly like one the out-of-memory
+#     killer took. So the worker says goodbye: the stream it iterates ([`_Goodbye`][_Goodbye]) negates its slot when
+#     the user's iterator ends normally, and the watch skips negative slots; a worker killed mid-shard never
+#     gets there. A map-style dataset's workers are stopped together, by the DataLoader, once every index of
+#     the pass was served: the watch stands down from then on ([`Streams.open()`][Streams.open]). A dead worker's exit
+#     status (``multiprocessing.active_children``' Process objects, public) names the signal that ended it.
 class _NotePid:
-    """The workers' ``worker_init_fn``: note this worker's pid, then run the user's (:meth:`Streams.dead_workers`)."""
+    """The workers' ``worker_init_fn``: note this worker's pid, then run the user's
+    ([`Streams.dead_workers()`][Streams.dead_workers])."""
 
     def __init__(self, pids, user_fn) -> None:
         self.pids = pids
@@ -203,6 +216,25 @@ class _NotePid:
         self.pids[worker_id] = os.getpid()
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+class _Goodbye(IterableDataset):
+    """The user's IterableDataset as the workers iterate it: a worker whose shard ended normally negates its slot
+    (NOTE [ Workers that end early ]); each pass re-marks it first (persistent workers start a pass anew)."""
+
+    def __init__(self, dataset: IterableDataset, pids) -> None:
+        self.dataset = dataset
+        self.pids = pids
+
+    def __iter__(self) -> Iterator:
+        info = torch.utils.data.get_worker_info()
+        if info is None:  # pragma: no cover - the DataLoader runs it in workers only
+            yield from self.dataset
+            return
+        pid = os.getpid()
+        self.pids[info.id] = pid
+        yield from self.dataset
+        self.pids[info.id] = -pid
 
 
 _EXPECTED = ("expected a map-style dataset -- len(dataset) and dataset[i] -> {'input_ids': ..., 'labels': ...}: a "
@@ -267,9 +299,13 @@ class Streams:
                       worker_init_fn=init, timeout=options.timeout)
         if options.num_workers > 0 and options.prefetch_factor is not None:
             kwargs["prefetch_factor"] = options.prefetch_factor
+        self.ending = False
+        """The DataLoader is stopping this pass's workers: every index of a map-style pass was served."""
+        self.procs: dict = {}
+        """pid -> multiprocessing Process of the workers seen running (their exit status names a signal)."""
         if self.iterable:
             self.sampler = None
-            self.loader = DataLoader(dataset, **kwargs)
+            self.loader = DataLoader(_Goodbye(dataset, self.pids) if self.pids is not None else dataset, **kwargs)
         else:
             self.sampler = _IndexList()
             self.loader = DataLoader(_WithIndex(dataset), sampler=self.sampler, **kwargs)
@@ -282,19 +318,48 @@ class Streams:
         not at all when the process was reaped first); evenflow watches its workers itself (calls.py)."""
         if not self.iterable:
             self.sampler.indices = list(indices)
-        if self.pids is not None and not self.persistent:
-            self.pids[:] = [0] * self.num_workers  # last pass's workers are gone; this pass's note theirs
+        if self.pids is not None:
+            # Non-persistent: last pass's workers are gone, this pass's note theirs. Persistent: the same workers
+            # start a new pass, none has said goodbye to it yet (NOTE [ Workers that end early ]).
+            self.pids[:] = [abs(p) if self.persistent else 0 for p in self.pids[:]]
+        self.ending = not self.iterable and not self.sampler.indices
         stream = _started(self.loader)
+        if not self.iterable and not self.persistent:
+            stream = self._last_index_noted(stream, len(self.sampler.indices))
         return _unpacked(stream) if self.packed else stream
 
+    def _last_index_noted(self, stream: Iterator, count: int) -> Iterator:
+        for served, item in enumerate(stream, 1):
+            if served >= count:
+                self.ending = True  # what follows is the DataLoader stopping its workers
+            yield item
+
     def dead_workers(self) -> str | None:
-        """This pass's workers that are no longer running, e.g. ``"DataLoader worker 1 (pid 4242)"``, or None."""
-        if self.pids is None:
+        """This pass's workers that died before their shard ended, e.g. ``"DataLoader worker 1 (pid 4242, killed
+        by SIGKILL)"``, or None (NOTE [ Workers that end early ])."""
+        if self.pids is None or self.ending:
             return None
-        dead = [(w, pid) for w, pid in enumerate(self.pids[:]) if pid > 0 and not pid_alive(pid)]
+        noted = [(w, pid) for w, pid in enumerate(self.pids[:]) if pid > 0]
+        if any(pid not in self.procs for _, pid in noted):  # new workers: keep their Process objects (and no others)
+            running = {p.pid: p for p in multiprocessing.active_children()}
+            self.procs = {pid: self.procs.get(pid) or running[pid] for _, pid in noted
+                          if pid in self.procs or pid in running}
+        dead = [(w, pid) for w, pid in noted if not pid_alive(pid)]
         if not dead:
             return None
-        return ", ".join(f"DataLoader worker {w} (pid {pid})" for w, pid in dead)
+        return ", ".join(f"DataLoader worker {w} (pid {pid}, {self._how_it_ended(pid)})" for w, pid in dead)
+
+    def _how_it_ended(self, pid: int) -> str:
+        proc = self.procs.get(pid)
+        code = proc.exitcode if proc is not None else None
+        if code is None:
+            return "exit status not seen"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code} before its shard ended"
 
 
 def _context(context: object):

@@ -1,4 +1,5 @@
-"""Moved to :mod:`evenflow.step_info`: this old path forwards every name there, with a ``DeprecationWarning``."""
+"""Moved to [`evenflow.step_info`][evenflow.step_info]: this old path forwards every name there, with a
+``DeprecationWarning``."""
 
 from ..deprecation import moved
 

@@ -28,11 +28,11 @@ NOTE [ Exit-time teardown ]
       closes every epoch still open -- all loaders at once, since a peer may close its loaders in another order
       and each close runs one more round -- joining the collation thread and its helper and shutting the
       epoch's DataLoader workers down; then it frees every exchange's last tensors as below;
-    * a :class:`~evenflow.runtime.comm.MetadataExchange` keeps each exchange's tensors for a few exchanges, so
-      the worker has dropped the work before Python frees them, on the collation thread; the last ones are
+    * a [`MetadataExchange`][evenflow.runtime.comm.MetadataExchange] keeps each exchange's tensors for a few exchanges,
+      so the worker has dropped the work before Python frees them, on the collation thread; the last ones are
       released at exit, or when the exchange is freed before (a loader local to a function that returns just
       before the script ends: the weak registration above then closes nothing);
-      :func:`~evenflow.runtime.comm.release` frees tensors and waits until the thread that frees them is done
+      [`release()`][evenflow.runtime.comm.release] frees tensors and waits until the thread that frees them is done
       with Python (its temporary thread state is deleted), for those still held and for one-off collectives
       (``sum_over``: ``evaluate_loss``, and the HF integration's ``store_flos``).
 
@@ -64,7 +64,8 @@ _registered = False
 
 
 def close_at_exit(obj: object, *, after_loaders: bool = False) -> None:
-    """Call ``obj.close()`` at interpreter exit, before finalization, unless :func:`forget_at_exit` came first."""
+    """Call ``obj.close()`` at interpreter exit, before finalization, unless [`forget_at_exit()`][forget_at_exit] came
+    first."""
     global _registered
     with _lock:
         if not _registered:

@@ -5,8 +5,9 @@ NOTE [ Moved samples ]
     a torch tensor pickles its whole storage: a 220-token view ``corpus[a:b]`` of a pre-tokenized 21 MB corpus
     pickles 21 MB. So a sample is pickled with every plain CPU tensor replaced by a reference (pickle's
     ``persistent_id`` hook, the mechanism ``torch.save`` itself uses), and the tensors travel beside it through
-    :func:`evenflow.exchange.dispatch.pack_samples` as (dtype, shape, their own bytes): a view of 220 int64
-    costs 1,760 bytes plus its share of a small header, and arrives as a compact tensor of its own.
+    [`evenflow.exchange.dispatch.pack_samples()`][evenflow.exchange.dispatch.pack_samples] as (dtype, shape, their own
+    bytes): a view of 220 int64 costs 1,760 bytes plus its share of a small header, and arrives as a compact tensor of
+    its own.
 
     What is still pickled is the sample's structure: keys, numbers, strings, numpy arrays (which pickle only
     their own data), other objects. The receiver unpickles it (README, "Trust model": the ranks of one job
@@ -101,7 +102,8 @@ class Moves:
         self.max_round_seconds = max(self.max_round_seconds, seconds)
 
     def count(self, chunks: list[torch.Tensor], rank: int, packed: list[dict[str, torch.Tensor]]) -> None:
-        """Count one all-to-all: ``chunks`` as :func:`evenflow.exchange.dispatch.pack_samples` built them."""
+        """Count one all-to-all: ``chunks`` as
+        [`evenflow.exchange.dispatch.pack_samples()`][evenflow.exchange.dispatch.pack_samples] built them."""
         self.samples += len(packed)
         self.bytes += sum(c.numel() for d, c in enumerate(chunks) if d != rank)
         self.tensor_bytes += sum(t.numel() * t.element_size() for p in packed for k, t in p.items()
@@ -109,7 +111,8 @@ class Moves:
 
 
 def pack(item: Item, sample: object) -> dict[str, torch.Tensor]:
-    """The sample as :func:`evenflow.exchange.dispatch.pack_samples` sends it. Raises what pickling raises."""
+    """The sample as [`evenflow.exchange.dispatch.pack_samples()`][evenflow.exchange.dispatch.pack_samples] sends it.
+    Raises what pickling raises."""
     buf, tensors = io.BytesIO(), []
     _Pickler(buf, tensors).dump((item.key, dict(item.extra), sample))
     words = _key_words(item.key) or []
@@ -136,7 +139,7 @@ def peek(packed: Mapping[str, torch.Tensor]) -> Arrival:
 
 
 def unpack(packed: Mapping[str, torch.Tensor]) -> tuple[Item, object]:
-    """The inverse of :func:`pack`: the sample's planner item (its home key) and the sample, with fresh tensors."""
+    """The inverse of [`pack()`][pack]: the sample's planner item (its home key) and the sample, with fresh tensors."""
     tensors = [packed[f"t{i}"] for i in range(len(packed) - 2)]
     key, extra, sample = _Unpickler(io.BytesIO(packed[_META].numpy().tobytes()), tensors).load()
     head = peek(packed)

@@ -8,6 +8,7 @@
 - global_policy.py -- global planning: every round one plan over the union of all ranks' buffers
 - timefit.py    -- the planner's time cost, fitted on its own calibration split (never the scorer's numbers)
 - datasets.py   -- real lengths (chitchat through the Qwen3 template) and paper-matched distributions
+- exchange_cost.py -- what a balanced step's exchanges cost: bytes by link, time left on the critical path
 - composition.py -- what the steps are made of: length mix (H, H_g) and order (late, q_cv) against random batches
 """
 

@@ -1,10 +1,10 @@
 """Where the cost coefficients come from: a fit to measured timings, or published GPU FLOP rates.
 
-* :func:`fit_phase` -- least squares (non-negative) of ``t = per_batch + b * (gamma + alpha L + beta L^2)``
+* [`fit_phase()`][fit_phase] -- least squares (non-negative) of ``t = per_batch + b * (gamma + alpha L + beta L^2)``
   over measured (batch size b, padded length L, seconds) triples.
-* :func:`measure_cpu` -- time forward + backward of a tiny random-init causal LM (``transformers``
-  ``Qwen3Config``, no weights downloaded) on a grid of padded shapes; :func:`cpu_cost_model` fits it.
-* :func:`gpu_cost_model` -- coefficients from FLOP counts and a datasheet peak times an assumed MFU.
+* [`measure_cpu()`][measure_cpu] -- time forward + backward of a tiny random-init causal LM (``transformers``
+  ``Qwen3Config``, no weights downloaded) on a grid of padded shapes; [`cpu_cost_model()`][cpu_cost_model] fits it.
+* [`gpu_cost_model()`][gpu_cost_model] -- coefficients from FLOP counts and a datasheet peak times an assumed MFU.
 
 NOTE [ GPU cost from FLOPs ]
     Training a decoder costs about 6 FLOPs per parameter per token for the dense matmuls (forward 2,
@@ -138,7 +138,7 @@ DEFAULT_CPU_SHAPES = tuple((b, l) for b in (1, 2, 4, 8) for l in (32, 64, 128, 2
 
 def cpu_cost_model(shapes: Sequence[tuple[int, int]] = DEFAULT_CPU_SHAPES, *, repeats: int = 3,
                    threads: int | None = 1, step_overhead: float | None = None) -> CostModel:
-    """Measure :data:`TINY_QWEN3` on this CPU and fit one ``"llm"`` phase.
+    """Measure [`TINY_QWEN3`][TINY_QWEN3] on this CPU and fit one ``"llm"`` phase.
 
     ``step_overhead`` defaults to the measured time of an AdamW step on the tiny model's parameters.
     """
@@ -201,7 +201,8 @@ QWEN3_8B = ModelShape(name="Qwen3-8B", layers=36, hidden=4096, heads=32, kv_head
 
 def gpu_cost_model(gpu: str = "H100", *, mfu: float = 0.40, model: ModelShape = QWEN3_8B,
                    step_overhead: float = 0.09, per_batch: float = 0.01) -> CostModel:
-    """Coefficients from FLOPs (NOTE [ GPU cost from FLOPs ]). ``gpu`` is a key of :data:`GPU_PEAK_TFLOPS`."""
+    """Coefficients from FLOPs (NOTE [ GPU cost from FLOPs ]). ``gpu`` is a key of
+    [`GPU_PEAK_TFLOPS`][GPU_PEAK_TFLOPS]."""
     if gpu not in GPU_PEAK_TFLOPS:
         raise KeyError(f"unknown GPU {gpu!r}; known: {sorted(GPU_PEAK_TFLOPS)}")
     if not 0 < mfu <= 1:

@@ -1,9 +1,9 @@
 """What an epoch's optimizer steps are made of: length mix and length order, against random batching.
 
 A planner that forms tight, length-homogeneous micro-batches should still make each *optimizer step* mix
-lengths and not order the epoch like a curriculum (issue 18). Six numbers say whether it does, for any
-:class:`~evenflow.sim.Schedule`. They describe the plan; what it trains is measured by training
-(``benchmarks/quality_replay.py``), and H alone does not predict it (README, "What the default trains"):
+lengths and not order the epoch like a curriculum. Six numbers say whether it does, for any
+`Schedule`. They describe the plan; what it trains is measured by training (the quality replay among the
+training benchmarks), and H alone does not predict it (the page "What the default trains"):
 
 * ``m_s`` -- the token-weighted mean of ``log(length)`` over the samples of optimizer step ``s`` (every rank,
   every micro-batch of the accumulation window; optimizer step = loader step // ``grad_accum_steps``; IDLE

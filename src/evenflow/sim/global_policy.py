@@ -1,11 +1,11 @@
 """The global planning policy as a schedule: W ranks' buffers planned together every round.
 
-Each rank reads its own shard (the same seeded sharding as the loader, :func:`evenflow.sim.shard`) into a
-buffer under the local protocol's fill rule (``buffer_size`` samples, or the warm-up token count of
-``AlignmentConfig.warmup_budgets``); then one :func:`evenflow.planning.plan_global_round` over the union
-of all buffers decides the round's T steps for every rank; emitted samples leave their buffers, the rest age
-by one round. ``final`` is set once every stream is exhausted, so the drain is sized from the remaining work
-(NOTE [ Drain sized from the remaining work ]).
+Each rank reads its own shard (the same seeded sharding as the loader, [`evenflow.sim.shard()`][evenflow.sim.shard])
+into a buffer under the local protocol's fill rule (``buffer_size`` samples, or the warm-up token count of
+``AlignmentConfig.warmup_budgets``); then one
+[`evenflow.planning.plan_global_round()`][evenflow.planning.plan_global_round] over the union of all buffers decides the
+round's T steps for every rank; emitted samples leave their buffers, the rest age by one round. ``final`` is set once
+every stream is exhausted, so the drain is sized from the remaining work (NOTE [ Drain sized from the remaining work ]).
 
 ``info["moved"]`` counts samples trained on a rank other than the one that read them (each one crosses the
 all-to-all once); ``info["moved_bytes"]`` sums their lengths (tokens as a stand-in for bytes).
@@ -79,11 +79,12 @@ def global_schedule(lengths: np.ndarray, *, world_size: int, grouping: GroupingC
                     name: str = "evenflow_global") -> Schedule:
     """One epoch of global planning over ``lengths`` (sample i has ``lengths[i]`` tokens). Join mode.
 
-    ``mix="cost_order"`` plans as before issue 18 (:class:`~evenflow.planning.GlobalPlanConfig`), for comparison.
-    ``time_cost``: the loader's ``time_cost=`` (``None``: its default for ``grouping.cost``, NOTE [ The default
-    time cost ]); ``TimeCost()`` is the planner before issue 35 for either cost.
-    ``grad_accum_steps``: the loader's; it orders each round's steps (NOTE [ Round order ]), and consecutive
-    ``grad_accum_steps`` loader steps form an optimizer step (``step_composition(..., grad_accum_steps=)``)."""
+    ``mix="cost_order"`` plans cost-ordered, the older planner
+    ([`GlobalPlanConfig`][evenflow.planning.GlobalPlanConfig]), for comparison. ``time_cost``: the loader's
+    ``time_cost=`` (``None``: its default for ``grouping.cost``, NOTE [ The default time cost ]); ``TimeCost()`` is the
+    plain padded-token cost for either cost. ``grad_accum_steps``: the loader's; it orders each round's steps (NOTE [
+    Round order ]), and consecutive ``grad_accum_steps`` loader steps form an optimizer step (``step_composition(...,
+    grad_accum_steps=)``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     config = GlobalPlanConfig(grouping=grouping, max_steps=alignment.max_steps_per_round,
                               max_wait_rounds=alignment.max_wait_rounds,

@@ -1,11 +1,13 @@
 """evenflow's own batching policies as schedules, computed by the package's real planners.
 
-* :func:`shard` -- how the loader splits a map-style epoch across ranks (seeded permutation, strided, no
+* [`shard()`][shard] -- how the loader splits a map-style epoch across ranks (seeded permutation, strided, no
   padding duplicates: 10 samples on 3 ranks -> 4, 3, 3), for all ranks at once.
-* :func:`evenflow_schedule` -- the ODB protocol, W ranks in one process: :func:`evenflow.planning.run_epoch`
-  drives one :class:`evenflow.planning.RankPlanner` per rank, exactly as the runtime does.
-* :func:`balanced_schedule` -- then, step by step, :func:`evenflow.balance.rebalance_step` moves samples
-  between the ranks' groups of that step (the loader's post-balancing policy); step count unchanged.
+* [`evenflow_schedule()`][evenflow_schedule] -- the ODB protocol, W ranks in one process:
+  `evenflow.planning.run_epoch()` drives one [`evenflow.planning.RankPlanner`][evenflow.planning.RankPlanner] per rank,
+  exactly as the runtime does.
+* [`balanced_schedule()`][balanced_schedule] -- then, step by step,
+  [`evenflow.balance.rebalance_step()`][evenflow.balance.rebalance_step] moves samples between the ranks' groups of that
+  step (the loader's post-balancing policy); step count unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ __all__ = ["shard", "evenflow_schedule", "balanced_schedule"]
 def shard(num_samples: int, world_size: int, *, seed: int = 0, epoch: int = 0,
           shuffle: bool = True) -> list[np.ndarray]:
     """Every rank's sample ids for one epoch, as the loader deals them: ``perm[r::world_size]`` of the
-    permutation seeded by ``[seed, epoch]`` (:func:`evenflow.runtime.source.shard_indices`, all ranks at once).
+    permutation seeded by ``[seed, epoch]`` (`evenflow.runtime.source.shard_indices()`, all ranks at once).
 
     >>> [s.tolist() for s in shard(5, 2, shuffle=False)]
     [[0, 2, 4], [1, 3]]
@@ -63,7 +65,8 @@ def evenflow_schedule(lengths: np.ndarray, *, world_size: int, grouping: Groupin
 
 def balanced_schedule(schedule: Schedule, lengths: np.ndarray, *, token_budget: int, tolerance: float = 0.02,
                       pad_to_multiple_of: int | None = None, name: str = "evenflow_balanced") -> Schedule:
-    """Rebalance every step of ``schedule`` across ranks with :func:`evenflow.balance.rebalance_step`.
+    """Rebalance every step of ``schedule`` across ranks with
+    [`evenflow.balance.rebalance_step()`][evenflow.balance.rebalance_step].
 
     ``info["moved"]`` counts samples that changed rank (each is one sample shipped by the all-to-all).
     """

@@ -1,14 +1,14 @@
 """A schedule says which rank trains which sample at which step -- the common currency of every policy.
 
-A :class:`Schedule` is flat: one row per scheduled sample, ``(step, rank, sample)``. Steps are 0-based and
+A [`Schedule`][Schedule] is flat: one row per scheduled sample, ``(step, rank, sample)``. Steps are 0-based and
 every rank runs every step (a rank with no row at a step is IDLE there). Example, W = 2:
 
     step 0: rank 0 trains samples [4, 1], rank 1 trains [0]
     step 1: rank 0 trains [2],            rank 1 is IDLE
     -> step = [0, 0, 0, 1], rank = [0, 0, 1, 0], sample = [4, 1, 0, 2], num_steps = 2
 
-Baselines (benchmarks/baselines.py) and evenflow's own planners (:mod:`evenflow.sim.policies`) all produce
-one, and :func:`evenflow.sim.simulate` turns it into time.
+Baselines (benchmarks/baselines.py) and evenflow's own planners ([`evenflow.sim.policies`][evenflow.sim.policies]) all
+produce one, and [`evenflow.sim.simulate()`][evenflow.sim.simulate] turns it into time.
 """
 
 from __future__ import annotations

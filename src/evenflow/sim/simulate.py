@@ -1,4 +1,4 @@
-"""Turn a :class:`Schedule` into time with a :class:`CostModel` (NOTE [ Step time ] in costs.py)."""
+"""Turn a [`Schedule`][Schedule] into time with a [`CostModel`][CostModel] (NOTE [ Step time ] in costs.py)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The planner's time cost, fitted on its own calibration split -- never the scorer's coefficients.
 
 NOTE [ Scoring time balance honestly ] (evenflow.planning.timecost) asks for a planner model fitted
-separately from the one that scores it. In the simulator the scorer is a :class:`~evenflow.sim.CostModel`
-(FLOP-derived, or fitted to CPU timings); the planner gets :func:`fit_time_cost`: "measured" single-row
+separately from the one that scores it. In the simulator the scorer is a [`CostModel`][evenflow.sim.CostModel]
+(FLOP-derived, or fitted to CPU timings); the planner gets [`fit_time_cost()`][fit_time_cost]: "measured" single-row
 batch times on a calibration split of lengths -- the scorer's prediction times lognormal noise (default
-3 %, about run-to-run jitter of a GPU step) -- fitted by :func:`evenflow.balance.fit_quadratic`. The fit
-never sees the samples it later plans (pass a split disjoint from the epoch) nor the scorer's per-batch
-and per-step constants (a planner cannot observe them per item).
+3 %, about run-to-run jitter of a GPU step) -- fitted by
+[`evenflow.balance.fit_quadratic()`][evenflow.balance.fit_quadratic]. The fit never sees the samples it later plans
+(pass a split disjoint from the epoch) nor the scorer's per-batch and per-step constants (a planner cannot observe them
+per item).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ CALIBRATION_NOISE = 0.03
 
 def fit_time_cost(model: CostModel, calibration_lengths: np.ndarray, *, seed: int = 0,
                   noise: float = CALIBRATION_NOISE, points: int = CALIBRATION_POINTS) -> TimeCost:
-    """A single-phase (tokens) :class:`TimeCost` fitted to noisy timings of ``model`` on a calibration split.
+    """A single-phase (tokens) [`TimeCost`][TimeCost] fitted to noisy timings of ``model`` on a calibration split.
 
     >>> from evenflow.sim import CostModel, PhaseCost
     >>> m = CostModel(phases=(PhaseCost(per_token=2e-6, per_token_sq=1e-10),))

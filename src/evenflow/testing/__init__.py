@@ -1,5 +1,6 @@
 """Test helpers: tiny models built from configs for the tests, the benchmarks and the examples (random init, CPU,
-never a download). Not the product: a model you train comes from Hugging Face, balanced by :mod:`evenflow.vlm`.
+never a download). Not the product: a model you train comes from Hugging Face, balanced by
+[`evenflow.vlm`][evenflow.vlm].
 
 - tiny_mllm.py -- ``TinyMLLM``: a small vision + audio + LLM model, float64-capable, and its orchestrator config
 - mllm_step.py -- ``orchestrated_step``: one balanced step of it, with per-phase CPU times

@@ -64,8 +64,9 @@ class TinyMLLMConfig:
 
 def real_media_config(*, vocab_size: int = 512, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
                       max_len: int = 1024) -> TinyMLLMConfig:
-    """Sizes for :class:`evenflow.data.multimodal.MultimodalChatDataset` samples: Qwen2-VL patch rows (1,176
-    features, 2x2 merge = 4 patches per token) and Whisper log-mel frames (80 bins, 4 frames per token)."""
+    """Sizes for [`evenflow.data.multimodal.MultimodalChatDataset`][evenflow.data.multimodal.MultimodalChatDataset]
+    samples: Qwen2-VL patch rows (1,176 features, 2x2 merge = 4 patches per token) and Whisper log-mel frames (80 bins,
+    4 frames per token)."""
     from ..data.audio import AUDIO_FRAME_STRIDE, N_MELS
 
     return TinyMLLMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
@@ -85,7 +86,7 @@ class TokenFold:
     image_pad_id: int
     """The dataset's image placeholder (Qwen3 ``<|image_pad|>``)."""
     audio_pad_id: int
-    """The dataset's audio placeholder (:data:`evenflow.data.audio.AUDIO_PAD_ID`)."""
+    """The dataset's audio placeholder ([`evenflow.data.audio.AUDIO_PAD_ID`][evenflow.data.audio.AUDIO_PAD_ID])."""
     config: TinyMLLMConfig
 
     def __post_init__(self) -> None:
@@ -115,7 +116,7 @@ def split_rows(rows: int, window: int | None, unit: int) -> list[int]:
 
 def example_from_sample(sample: dict, fold: TokenFold, *, dtype: torch.dtype = torch.float32,
                         audio_window: int | None = None) -> ExampleInputs:
-    """A :class:`MultimodalChatDataset` sample as orchestrator input (one image and one clip at most).
+    """A [`MultimodalChatDataset`][MultimodalChatDataset] sample as orchestrator input (one image and one clip at most).
 
     ``audio_window``: cut a clip into items of at most that many frames (Whisper-style fixed windows), so a
     long clip can be encoded on several ranks. Exact for this model's row-wise audio encoder: the
@@ -191,7 +192,8 @@ class TinyMLLM(nn.Module):
         return self.audio(rows, item_rows)
 
     def encoders(self) -> dict:
-        """Phase name -> encoder, for :meth:`GlobalOrchestrator.step` and :func:`local_step`."""
+        """Phase name -> encoder, for [`GlobalOrchestrator.step()`][GlobalOrchestrator.step] and
+        [`local_step()`][local_step]."""
         return {"vision": self.encode_vision, "audio": self.encode_audio}
 
     def lm_loss_sum(self, batch: LLMInputs) -> torch.Tensor:
@@ -238,11 +240,12 @@ def orchestrator_config(config: TinyMLLMConfig = TinyMLLMConfig(), *, ranks_per_
                         balance: bool = True, vision_cost: QuadraticCost = QuadraticCost(),
                         audio_cost: QuadraticCost = QuadraticCost(),
                         llm_cost: QuadraticCost = QuadraticCost(), balance_encoders: bool = True) -> OrchestratorConfig:
-    """An :class:`OrchestratorConfig` matching the model's phases (costs default to rows / tokens).
+    """An [`OrchestratorConfig`][OrchestratorConfig] matching the model's phases (costs default to rows / tokens).
 
-    Costs must be equal on every rank: fit them once (:func:`evenflow.balance.costs.fit_quadratic`) and
-    pass the same numbers everywhere, never per-rank timings. ``balance_encoders=False`` balances the LLM phase
-    only (each media item is encoded on the rank that sampled its example).
+    Costs must be equal on every rank: fit them once
+    ([`evenflow.balance.costs.fit_quadratic()`][evenflow.balance.costs.fit_quadratic]) and pass the same numbers
+    everywhere, never per-rank timings. ``balance_encoders=False`` balances the LLM phase only (each media item is
+    encoded on the rank that sampled its example).
     """
     return OrchestratorConfig(
         encoders={"vision": PhaseSpec(cost=vision_cost, input_dim=config.patch_dim, downsample=config.patch_merge,

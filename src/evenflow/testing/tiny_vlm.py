@@ -3,9 +3,10 @@ vocabulary for them.
 
 The models are the unmodified Hugging Face classes, only small (hidden 32, two text layers, a two-block vision
 tower; Qwen2.5-VL with window attention in block 0). Qwen's 151,936-id output layer would dominate such a model
-on a CPU (its logits are ``151,936 x tokens`` floats), so :func:`dense_vocab` keeps the ids a set of chats uses
-(:class:`evenflow.data.vocab.VocabRemap`), the four vision tokens always: wrap the data set in
-:class:`evenflow.data.vocab.RemappedDataset` and build the model with the same remap. Lengths stay real.
+on a CPU (its logits are ``151,936 x tokens`` floats), so [`dense_vocab()`][dense_vocab] keeps the ids a set of chats
+uses ([`evenflow.data.vocab.VocabRemap`][evenflow.data.vocab.VocabRemap]), the four vision tokens always: wrap the data
+set in [`evenflow.data.vocab.RemappedDataset`][evenflow.data.vocab.RemappedDataset] and build the model with the same
+remap. Lengths stay real.
 """
 
 from __future__ import annotations

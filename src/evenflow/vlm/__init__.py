@@ -10,8 +10,11 @@
 - config.py   -- ``VLMConfig``: layout, balance mode, costs, the per-rank encoder-row cap
 - warmup.py   -- ``fit_phase_costs``: a quadratic per phase from a short warm-up on the towers, the same on every
                  rank (the planners' ``TimeCost``), saved with ``BalancedVLM.state_dict``
-- step.py     -- ``BalancedVLM``: the loader's batch in, this rank's scaled loss out (:mod:`evenflow.balance.phases`
-                 plans, :mod:`evenflow.exchange` moves the data)
+- checks.py   -- what a step refuses before it trains: replicas nothing synchronizes, a step some ranks skip, a
+                 loader with another encoder budget, a batch still holding its StepInfo
+- step.py     -- ``BalancedVLM``: the loader's batch in, this rank's scaled loss out
+  ([`evenflow.balance.phases`][evenflow.balance.phases]
+                 plans, [`evenflow.exchange`][evenflow.exchange] moves the data)
 - flops.py    -- FLOPs per item of a phase (the simulator's costs for real model shapes)
 
 Everything a family of your own needs is exported here too (``BalancedVLM(..., adapter=...)``): ``VLMAdapter``,
@@ -19,7 +22,7 @@ Everything a family of your own needs is exported here too (``BalancedVLM(..., a
 ``ExampleInputs``, ``LLMInputs``, ``ExampleError`` -- and the loader's ``StepInfo`` that every step takes.
 
 Needs transformers (``pip install 'evenflow[hf]'``). See docs/vlm.md ("Balance a stock VLM"). The tiny models the
-tests build from configs are :mod:`evenflow.testing.tiny_vlm`, not part of this package.
+tests build from configs are `evenflow.testing.tiny_vlm`, not part of this package.
 """
 
 from ..balance.phases import PhaseSpec

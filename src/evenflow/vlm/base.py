@@ -1,23 +1,24 @@
 """The extension point: how one family of Hugging Face VLMs is found, encoded, merged and positioned.
 
-A family is one subclass of :class:`VLMAdapter` with four methods; everything else -- the metadata
+A family is one subclass of [`VLMAdapter`][VLMAdapter] with four methods; everything else -- the metadata
 exchange, the per-phase plan, the data moves, the failures shared by every rank, the padded or packed LLM
-batch, the loss and its scale -- is shared (:mod:`evenflow.vlm.step`):
+batch, the loss and its scale -- is shared ([`evenflow.vlm.step`][evenflow.vlm.step]):
 
-- :meth:`~VLMAdapter.supports` -- does this (unwrapped) model belong to the family? Feature detection: the
+- [`supports()`][VLMAdapter.supports] -- does this (unwrapped) model belong to the family? Feature detection: the
   attributes and signatures the adapter calls, never a version number.
-- :meth:`~VLMAdapter.find_items` -- **found and positioned**: one collated batch (``PadCollate`` /
+- [`find_items()`][VLMAdapter.find_items] -- **found and positioned**: one collated batch (``PadCollate`` /
   ``FlatCollate``) back into its examples, each with its media items (input rows and integer metadata such as
-  a grid) in placeholder order, checked against the example's placeholders (errors: :class:`ExampleError`,
+  a grid) in placeholder order, checked against the example's placeholders (errors: [`ExampleError`][ExampleError],
   naming the example), and with the per-token fields only its source rank can compute (M-RoPE positions need
   the grids), which travel with the tokens.
-- :meth:`~VLMAdapter.encode` -- **encoded**: one encoder phase on the items this rank was given (any
+- [`encode()`][VLMAdapter.encode] -- **encoded**: one encoder phase on the items this rank was given (any
   example's, any number, zero included: then a dummy item keeps the parameters in the graph).
-- :meth:`~VLMAdapter.forward` -- **merged**: the stock model's LLM forward on this rank's examples in an
-  :class:`LLMBatch` layout, with the routed encoder outputs in place of the placeholders; returns logits.
+- [`forward()`][VLMAdapter.forward] -- **merged**: the stock model's LLM forward on this rank's examples in an
+  [`LLMBatch`][LLMBatch] layout, with the routed encoder outputs in place of the placeholders; returns logits.
 
 Adding a family (Qwen3-VL, LLaVA-OneVision, an Omni audio tower) is one module with one such class and one
-line in ``families.py``; nothing under :mod:`evenflow.balance.phases` or :mod:`evenflow.exchange` changes.
+line in ``families.py``; nothing under [`evenflow.balance.phases`][evenflow.balance.phases] or
+[`evenflow.exchange`][evenflow.exchange] changes.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ __all__ = ["VLMAdapter", "LLMBatch", "Layout", "llm_batch", "split_examples", "t
 Layout = Literal["packed", "padded"]
 
 PHASE_LENGTH_KEYS = {"vision": "num_patches", "audio": "num_frames", "llm": TOKENS}
-"""Phase -> the per-sample length its :class:`~evenflow.planning.PhaseTime` is keyed by: the loader's
-``extra_budgets`` names (patch rows, mel frames) and its token count, so one :class:`~evenflow.planning.TimeCost`
+"""Phase -> the per-sample length its [`PhaseTime`][evenflow.planning.PhaseTime] is keyed by: the loader's
+``extra_budgets`` names (patch rows, mel frames) and its token count, so one [`TimeCost`][evenflow.planning.TimeCost]
 serves the loader and the orchestrator."""
 
 
 def phase_cost(time_cost: TimeCost | None, phase: str, default: QuadraticCost) -> QuadraticCost:
-    """``phase``'s cost in ``time_cost`` (by :data:`PHASE_LENGTH_KEYS`), or ``default`` without one."""
+    """``phase``'s cost in ``time_cost`` (by [`PHASE_LENGTH_KEYS`][PHASE_LENGTH_KEYS]), or ``default`` without one."""
     if time_cost is None:
         return default
     key = PHASE_LENGTH_KEYS[phase]
@@ -63,7 +64,8 @@ def phase_cost(time_cost: TimeCost | None, phase: str, default: QuadraticCost) -
 def transformer_cost(hidden: int) -> QuadraticCost:
     """Per-sequence cost of a transformer stack of width ``hidden``, in units of ``4 * hidden`` FLOPs per layer:
     ``6 * hidden * L + L**2`` (linear layers ~ ``24 hidden^2`` per token, attention ~ ``4 hidden L`` per token;
-    Megatron/verl's ``24576 L + L^2`` at hidden 4096). Fit your own with :func:`evenflow.balance.fit_quadratic`."""
+    Megatron/verl's ``24576 L + L^2`` at hidden 4096). Fit your own with
+    [`evenflow.balance.fit_quadratic()`][evenflow.balance.fit_quadratic]."""
     return QuadraticCost(alpha=6.0 * hidden, beta=1.0)
 
 
@@ -92,7 +94,7 @@ class LLMBatch:
 
 def llm_batch(llm: LLMInputs, layout: Layout, *, field_widths: Mapping[str, int], pad_token_id: int = 0,
               device: torch.device | str = "cpu") -> LLMBatch:
-    """Lay out :class:`~evenflow.exchange.LLMInputs` for the model.
+    """Lay out [`LLMInputs`][evenflow.exchange.LLMInputs] for the model.
 
     Targets shift within each example: lengths 3 and 2, labels ``[a b c] [d e]`` -> packed targets
     ``[b c - e -]`` (``-`` = -100), so the last token of one example never predicts the first of the next.
@@ -165,9 +167,9 @@ def split_examples(batch: Mapping[str, Any], *, samples: int | None = None) -> l
 class VLMAdapter(ABC):
     """How one family of stock HF VLMs is found, encoded, merged and positioned (the module docstring).
 
-    Subclasses set :attr:`phases` (encoder phase -> :class:`PhaseSpec`) and :attr:`token_fields` (name ->
-    width) in ``__init__``; one adapter serves one model (the unwrapped one: DDP/FSDP wrappers are handed to
-    :meth:`forward` only).
+    Subclasses set `phases` (encoder phase -> [`PhaseSpec`][PhaseSpec]) and `token_fields`
+    (name -> width) in ``__init__``; one adapter serves one model (the unwrapped one: DDP/FSDP wrappers are handed to
+    [`forward()`][forward] only).
     """
 
     phases: dict[str, PhaseSpec]
@@ -187,8 +189,8 @@ class VLMAdapter(ABC):
     def find_items(self, batch: Mapping[str, Any], *, samples: int | None = None,
                    sample_ids: Sequence[int] | None = None) -> list[ExampleInputs]:
         """This rank's examples from one collated batch: media items in placeholder order with their
-        metadata, and every :attr:`token_fields` entry computed from the example's own tokens and items.
-        Raises :class:`ExampleError` naming the example (and its ``sample_ids`` entry) when its media do not
+        metadata, and every `token_fields` entry computed from the example's own tokens and items.
+        Raises [`ExampleError`][ExampleError] naming the example (and its ``sample_ids`` entry) when its media do not
         match its placeholders or its grid does not match its rows. ``samples``: the batch's sample count
         (drops a packing tail)."""
 
@@ -204,8 +206,8 @@ class VLMAdapter(ABC):
         into the forward, also when there are none (NOTE [ Every rank enters every collective ])."""
 
     def warmup_item(self, phase: str, rows: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """``(rows, item_rows, item_meta)`` of one synthetic item of about ``rows`` input rows for :meth:`encode`,
-        to time the phase in a cost fit (:func:`~evenflow.vlm.fit_phase_costs`). Optional."""
+        """``(rows, item_rows, item_meta)`` of one synthetic item of about ``rows`` input rows for [`encode()`][encode],
+        to time the phase in a cost fit ([`fit_phase_costs()`][evenflow.vlm.fit_phase_costs]). Optional."""
         raise NotImplementedError(f"{type(self).__name__} makes no warm-up items; pass per-phase costs yourself "
                                   "(VLMConfig.time_cost)")
 

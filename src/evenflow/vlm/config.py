@@ -10,9 +10,10 @@ from ..balance.phases.meta import METADATA_WORDS
 from ..balance.planners import BalanceConfig
 from ..planning.timecost import TimeCost
 
-__all__ = ["VLMConfig", "BalanceMode"]
+__all__ = ["VLMConfig", "BalanceMode", "GradientSync"]
 
 BalanceMode = Literal["full", "llm", "none"]
+GradientSync = Literal["detect", "external", "unchecked"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,12 +29,13 @@ class VLMConfig:
     (the same code path: the baseline)."""
     encoder_cost: QuadraticCost | None = None
     """Cost of one frame (or image) of ``L`` patch rows in the encoder; ``None``:
-    :func:`~evenflow.vlm.base.transformer_cost` of the vision width. A video costs its frames' sum."""
+    [`transformer_cost()`][evenflow.vlm.base.transformer_cost] of the vision width. A video costs its frames' sum."""
     llm_cost: QuadraticCost | None = None
     """Cost of one example of ``L`` tokens in the LLM; ``None``: ``transformer_cost`` of the text width."""
     max_encoder_rows: int | None = None
-    """No rank encodes more patch rows than this in one step: pass the loader's patch budget
-    (``extra_budgets={"num_patches": P}`` -> ``P``), so balancing never piles more on a rank than its budget."""
+    """No rank encodes more vision patch rows (before merging) than this in one step: the loader's
+    ``max_encoder_rows``, the same number, so balancing never piles more on a rank than its budget. A step
+    refuses a loader with another one before anything moves."""
     video_slice: int | None = None
     """Split a video into items of at most this many temporal patches (frames / ``temporal_patch_size``), so
     one long video can be encoded on several ranks (its frames are encoded independently, so the outputs are
@@ -45,8 +47,8 @@ class VLMConfig:
     within windows and pools pairs inside them, so cutting at window boundaries gives the same outputs
     (NOTE [ Exact audio cuts ] in ``qwen_omni.py``). ``None``: a clip is one item."""
     time_cost: TimeCost | None = None
-    """Per-phase costs as the planners' cost object -- the same :class:`~evenflow.planning.TimeCost` the loader
-    takes as ``time_cost=`` -- e.g. a warm-up fit (:func:`~evenflow.vlm.fit_phase_costs`): its phase
+    """Per-phase costs as the planners' cost object -- the same [`TimeCost`][evenflow.planning.TimeCost] the loader
+    takes as ``time_cost=`` -- e.g. a warm-up fit ([`fit_phase_costs()`][evenflow.vlm.fit_phase_costs]): its phase
     on ``"num_patches"`` costs one vision frame of ``L`` patch rows, on ``"num_frames"`` one audio window of
     ``L`` mel frames, on ``"tokens"`` one LLM example of ``L`` tokens. Overrides ``encoder_cost`` and
     ``llm_cost`` (give one or the other). Every rank must plan with the same one (NOTE [ The plan key ])."""
@@ -56,10 +58,24 @@ class VLMConfig:
     """Ranks per node, for node-aware placement (``None``: one node)."""
     metadata_words: int = METADATA_WORDS
     """Width of the one metadata all_gather per step (NOTE [ One metadata exchange ])."""
+    prefetch: bool = False
+    """``True``: each step's metadata exchange and plan are made on the loader's collation thread while the
+    previous step trains (register the step with ``BalancedVLM.prefetch_from``); the same plans, losses and
+    gradients as ``False``, which makes them inside the step (NOTE [ The plan made in the background ])."""
+    gradient_sync: GradientSync = "detect"
+    """Who averages the gradients over ranks (NOTE [ Replicas cannot drift silently ] in ``checks.py``):
+    ``"detect"``: the model shows it (DDP, FSDP2), else it is refused on more than one rank; ``"external"``:
+    something evenflow cannot see does (DeepSpeed, your own all-reduce, a trainer that wraps the model later);
+    either way the replicas' parameter checksums are compared once, at the third step. ``"unchecked"``: no
+    check at all (parameters sharded by something evenflow cannot see, e.g. DeepSpeed ZeRO-3)."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("packed", "padded"):
             raise ValueError(f"layout must be 'packed' or 'padded', got {self.layout!r}")
+        if self.gradient_sync not in ("detect", "external", "unchecked"):
+            raise ValueError(f"gradient_sync must be 'detect', 'external' or 'unchecked', got {self.gradient_sync!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
         if self.balance not in ("full", "llm", "none"):
             raise ValueError(f"balance must be 'full', 'llm' or 'none', got {self.balance!r}")
         for name in ("max_encoder_rows", "video_slice", "audio_slice"):

@@ -25,7 +25,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def adapter_for(model: torch.nn.Module, config: VLMConfig = VLMConfig()) -> VLMAdapter:
-    """The first family whose :meth:`~VLMAdapter.supports` accepts ``model`` (unwrapped first)."""
+    """The first family whose [`supports()`][VLMAdapter.supports] accepts ``model`` (unwrapped first)."""
     base = unwrap_model(model)
     for family in FAMILIES:
         if family.supports(base):

@@ -8,12 +8,13 @@ per (query, key) pair (``QK^T`` and ``AV``, bidirectional in the towers, causal 
 - **Vision** (one frame of ``h x w`` patches, ``P = h * w``): the patch embedding, ``depth`` blocks and the 2x2
   merger on every patch; full attention over the frame in ``fullatt_block_indexes``, windows of
   ``window_size / patch_size`` patches a side elsewhere -- windows at the frame's right and bottom edges are
-  partial, which the count follows exactly (:func:`vision_frame_flops`) and a quadratic in ``P`` cannot.
+  partial, which the count follows exactly ([`vision_frame_flops()`][vision_frame_flops]) and a quadratic in ``P``
+  cannot.
 - **Audio** (one clip of ``F`` mel frames, Qwen2.5-Omni's tower): two convolutions, ``encoder_layers`` blocks on
   ``F / 2`` rows attending within windows of ``n_window`` rows, pooling and the projection
-  (:func:`audio_clip_flops`).
+  ([`audio_clip_flops()`][audio_clip_flops]).
 - **LLM** (one example of ``L`` tokens): ``6 N L`` for the matmul weights (LM head included) plus causal
-  attention ``12 * layers * heads * head_dim * L (L + 1) / 2`` (:func:`llm_example_flops`).
+  attention ``12 * layers * heads * head_dim * L (L + 1) / 2`` ([`llm_example_flops()`][llm_example_flops]).
 
 The ``QWEN2_5_VL_7B`` and ``QWEN2_5_OMNI_7B_AUDIO`` shapes are the published ``config.json`` fields (random
 init: nothing is loaded).

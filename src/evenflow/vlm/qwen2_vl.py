@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL (images and videos) through the :class:`~evenflow.vlm.base.VLMAdapter` point.
+"""Qwen2-VL and Qwen2.5-VL (images and videos) through the [`VLMAdapter`][evenflow.vlm.base.VLMAdapter] point.
 
 What the stock model does, and what the adapter relies on (checked by tests/test_vlm_facts.py):
 
@@ -43,9 +43,9 @@ PHASE = "vision"
 
 @dataclass
 class Found:
-    """One example's media as :meth:`QwenVLAdapter._example_items` found them: per phase its items and their
-    metadata in placeholder order, and what its positions need (grids per kind, seconds per video, frames per
-    audio clip)."""
+    """One example's media as [`QwenVLAdapter._example_items()`][QwenVLAdapter._example_items] found them: per phase its
+    items and their metadata in placeholder order, and what its positions need (grids per kind, seconds per video,
+    frames per audio clip)."""
 
     items: dict[str, list[torch.Tensor]]
     metas: dict[str, list[tuple[int, ...]]]

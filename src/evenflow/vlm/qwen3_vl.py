@@ -1,4 +1,4 @@
-"""Qwen3-VL through the :class:`~evenflow.vlm.base.VLMAdapter` point: deepstack, and videos frame by frame.
+"""Qwen3-VL through the [`VLMAdapter`][evenflow.vlm.base.VLMAdapter] point: deepstack, and videos frame by frame.
 
 What differs from Qwen2-VL, and what the adapter relies on (tests/test_vlm_facts.py):
 

@@ -1,12 +1,12 @@
-"""The Qwen2.5-Omni thinker (audio, images, videos) through the :class:`~evenflow.vlm.base.VLMAdapter` point.
+"""The Qwen2.5-Omni thinker (audio, images, videos) through the [`VLMAdapter`][evenflow.vlm.base.VLMAdapter] point.
 
 The thinker is a Qwen2.5-VL (its vision tower, M-RoPE, ``mm_encoder_outputs=`` for images and videos) with a
-Whisper-style audio tower: two phases, ``"vision"`` (:class:`~evenflow.vlm.QwenVLAdapter`'s) and
+Whisper-style audio tower: two phases, ``"vision"`` ([`QwenVLAdapter`][evenflow.vlm.QwenVLAdapter]'s) and
 ``"audio"``. What the stock model does, and what the adapter relies on (tests/test_vlm_facts.py):
 
 - ``thinker.model.audio_tower(feats [n_mels, sum of frames], feature_lens=frames per clip)`` encodes clips
-  independently; a clip of ``F`` mel frames gives :func:`audio_output_rows` ``(F)`` rows -- ``F // 4`` only when
-  ``F % 4 != 3`` -- which is also how many ``<|AUDIO|>`` placeholders its example holds.
+  independently; a clip of ``F`` mel frames gives [`audio_output_rows()`][audio_output_rows] ``(F)`` rows -- ``F // 4``
+  only when ``F % 4 != 3`` -- which is also how many ``<|AUDIO|>`` placeholders its example holds.
 - The stock forward takes image and video outputs precomputed (``mm_encoder_outputs=``) but not audio: it
   would run the tower on ``input_features`` itself. So the adapter merges audio on its own: a forward hook on
   the input embedding, installed for the one call, writes the routed audio rows over the ``<|AUDIO|>``
@@ -200,7 +200,8 @@ class QwenOmniAdapter(QwenVLAdapter):
         return self.audio_tower(rows.to(dtype).T, feature_lens=lens).last_hidden_state
 
     def warmup_item(self, phase: str, rows: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Vision: as :meth:`QwenVLAdapter.warmup_item`; audio: one clip of ``rows`` mel frames."""
+        """Vision: as [`QwenVLAdapter.warmup_item()`][QwenVLAdapter.warmup_item]; audio: one clip of ``rows`` mel
+        frames."""
         if phase != AUDIO:
             return super().warmup_item(phase, rows)
         frames = max(4, int(rows))

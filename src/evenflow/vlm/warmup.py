@@ -10,11 +10,11 @@ NOTE [ Fitted once, the same everywhere ]
     costs must be bit-identical on every rank. Timings never are: each rank times its own towers, under its
     own load. So every rank runs the same warm-up (the same sizes in the same order -- with FSDP2 the towers'
     forward and backward are collective, and then every rank must enter them), and the coefficients of rank
-    ``src`` are broadcast as float64: every rank builds the same :class:`~evenflow.planning.TimeCost` from the
+    ``src`` are broadcast as float64: every rank builds the same [`TimeCost`][evenflow.planning.TimeCost] from the
     same bits. A fit is never redone mid-run or on resume -- timings would differ, and so would the plans: the
-    costs are saved in the state (:meth:`BalancedVLM.state_dict`) and loaded on every rank. A rank that plans
-    with other costs anyway (it fitted on its own, or loaded another checkpoint) is refused in the first step's
-    metadata exchange with :class:`~evenflow.PeerError` on every rank.
+    costs are saved in the state ([`BalancedVLM.state_dict()`][BalancedVLM.state_dict]) and loaded on every rank. A rank
+    that plans with other costs anyway (it fitted on its own, or loaded another checkpoint) is refused in the first
+    step's metadata exchange with [`PeerError`][evenflow.PeerError] on every rank.
 
 Each phase is timed forward + backward on items of a few sizes (a vision frame of ``L`` patch rows, one audio
 window of ``L`` mel frames -- ``items_per_call`` copies of it in one call, the time divided among them -- one
@@ -143,8 +143,8 @@ def time_phases(model: torch.nn.Module, adapter: VLMAdapter | None = None, *, co
 def fit_phase_costs(model: torch.nn.Module, *, group: dist.ProcessGroup | None = None,
                     adapter: VLMAdapter | None = None, config: WarmupConfig = WarmupConfig(), src: int = 0
                     ) -> TimeCost:
-    """A quadratic per phase from a short warm-up, as the planners' :class:`~evenflow.planning.TimeCost`
-    (``layout="summed"``; phases on :data:`~evenflow.vlm.PHASE_LENGTH_KEYS`), identical on every rank of
+    """A quadratic per phase from a short warm-up, as the planners' [`TimeCost`][evenflow.planning.TimeCost]
+    (``layout="summed"``; phases on [`PHASE_LENGTH_KEYS`][evenflow.vlm.PHASE_LENGTH_KEYS]), identical on every rank of
     ``group``: every rank times, rank ``src``'s coefficients are broadcast (NOTE [ Fitted once, the same
     everywhere ]). Collective on ``group`` (``None``: one process, no broadcast). Call it before the first
     step; it leaves every gradient ``None``."""
@@ -199,14 +199,14 @@ def _fit(timings: Mapping[str, list[tuple[int, float]]]) -> torch.Tensor:
 
 
 def cost_state(cost: TimeCost) -> dict[str, Any]:
-    """A :class:`~evenflow.planning.TimeCost` as plain data for a checkpoint (floats exact: ``float.hex``)."""
+    """A [`TimeCost`][evenflow.planning.TimeCost] as plain data for a checkpoint (floats exact: ``float.hex``)."""
     return {"version": COST_STATE_VERSION, "layout": cost.layout, "source": cost.source,
             "phases": [{"length_key": p.length_key, "gamma": float(p.gamma).hex(), "alpha": float(p.alpha).hex(),
                         "beta": float(p.beta).hex()} for p in cost.phases]}
 
 
 def cost_from_state(state: Mapping[str, Any]) -> TimeCost:
-    """Inverse of :func:`cost_state`: the same coefficients, bit for bit (so the same plan key)."""
+    """Inverse of [`cost_state()`][cost_state]: the same coefficients, bit for bit (so the same plan key)."""
     version = state.get("version")
     if version != COST_STATE_VERSION:
         raise ValueError(f"saved costs have version {version!r}; this evenflow reads version {COST_STATE_VERSION}")

@@ -2,12 +2,15 @@
 
 - meta.py    -- ``PhaseSpec`` (one phase: cost rule, output rows, per-rank row cap), ``OrchestratorConfig``,
                 ``ExampleMeta`` and its fixed-width int64 encoding (what the one metadata exchange carries)
-- plan.py    -- ``plan_step``: one :func:`~evenflow.balance.planners.plan_balance` per phase (vision, audio, LLM),
+- plan.py    -- ``plan_step``: one [`plan_balance()`][evenflow.balance.planners.plan_balance] per phase (vision, audio,
+  LLM),
                 from metadata alone, so the same plan comes out on every rank
 - routing.py -- ``rank_routing``: this rank's sends and receives under a ``StepPlan``, encoder outputs routed
-                straight to their example's LLM rank (NOTE [ Composed routing ] in :mod:`evenflow.exchange`)
+                straight to their example's LLM rank (NOTE [ Composed routing ] in
+                [`evenflow.exchange`][evenflow.exchange])
 
-:mod:`evenflow.exchange` runs a plan (the data moves and the encoders); :mod:`evenflow.vlm` builds the phases of a
+[`evenflow.exchange`][evenflow.exchange] runs a plan (the data moves and the encoders); [`evenflow.vlm`][evenflow.vlm]
+builds the phases of a
 stock Hugging Face VLM.
 """
 

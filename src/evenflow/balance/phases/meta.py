@@ -1,15 +1,17 @@
-"""Orchestrator configuration and the metadata planning needs (pure; see :mod:`evenflow.balance.phases`).
+"""Orchestrator configuration and the metadata planning needs (pure; see
+[`evenflow.balance.phases`][evenflow.balance.phases]).
 
 NOTE [ The plan key ]
     Every rank computes the step's plan on its own from the gathered metadata, so every rank must plan with the
     same configuration -- the cost models above all. Two ranks whose costs differ in the last bit (a warm-up fit
     timed on each rank, a checkpoint loaded on one rank only) compute different plans, and then different split
     sizes for the same all-to-all: gloo hangs or raises somewhere else, NCCL reads garbage. So
-    :meth:`OrchestratorConfig.plan_key` hashes everything in the configuration that shapes a plan (each phase's
-    cost coefficients by ``float.hex``, its row rules, caps and planner settings, the topology, and
+    [`OrchestratorConfig.plan_key()`][OrchestratorConfig.plan_key] hashes everything in the configuration that shapes a
+    plan (each phase's cost coefficients by ``float.hex``, its row rules, caps and planner settings, the topology, and
     ``cost_key`` for cost models only a rule's closure knows), and the key travels in one word of the metadata
-    exchange every step (NOTE [ One metadata exchange ] in :mod:`evenflow.exchange.orchestrator`): a rank whose
-    key differs from rank 0's is named in a :class:`~evenflow.PeerError` raised on every rank, before any data moves.
+    exchange every step (NOTE [ One metadata exchange ] in
+    [`evenflow.exchange.orchestrator`][evenflow.exchange.orchestrator]): a rank whose key differs from rank 0's is named
+    in a [`PeerError`][evenflow.PeerError] raised on every rank, before any data moves.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class PhaseSpec:
     meta_width: int = 0
     """Encoder phases: integers per item beside its row count (a Qwen2-VL grid with its kind: 4). They travel
     in the metadata exchange, so every rank knows every item's shape; the encoder receives them as a third
-    argument (:data:`~evenflow.exchange.Encoder`)."""
+    argument ([`Encoder`][evenflow.exchange.Encoder])."""
     output_rows: ItemRule | None = None
     """Encoder phases: output rows per item from ``(rows, meta)``; ``None``: ``rows // downsample``. An audio
     tower whose convolutions round (``(frames - 1) // 2 + 1``...) states it here."""
@@ -81,7 +83,7 @@ class PhaseSpec:
                 raise ValueError(f"PhaseSpec.{name} must be a callable (rows, meta) -> array, or None")
 
     def out_rows(self, rows: np.ndarray, meta: np.ndarray) -> np.ndarray:
-        """Output rows per item (:attr:`output_rows`, default ``rows // downsample``), checked."""
+        """Output rows per item ([`output_rows`][output_rows], default ``rows // downsample``), checked."""
         if self.output_rows is None:
             return rows // self.downsample
         out = np.asarray(self.output_rows(rows, meta))
@@ -91,7 +93,7 @@ class PhaseSpec:
         return out.astype(np.int64)
 
     def costs(self, rows: np.ndarray, meta: np.ndarray) -> np.ndarray:
-        """Cost per item (:attr:`item_cost`, default :attr:`cost` of the row count)."""
+        """Cost per item ([`item_cost`][item_cost], default [`cost`][cost] of the row count)."""
         if not rows.size:
             return np.zeros(0)
         if self.item_cost is None:
@@ -113,7 +115,7 @@ class OrchestratorConfig:
     """The language-model phase; its items are whole examples of ``length`` tokens."""
     ranks_per_node: int | None = None
     """Ranks per node for node-aware placement (``None``: one node). Resolve it at the edge, e.g. with
-    :func:`evenflow.balance.topology.topology_from_env`."""
+    [`evenflow.balance.topology.topology_from_env()`][evenflow.balance.topology.topology_from_env]."""
     balance: bool = True
     """``False``: every item stays on its source rank (same code path, no balancing) -- the baseline."""
     token_fields: Mapping[str, int] = field(default_factory=dict)
@@ -128,8 +130,8 @@ class OrchestratorConfig:
     """int64 words per rank of the one metadata all_gather (NOTE [ One metadata exchange ])."""
     cost_key: str = ""
     """Identity of a cost model the ``PhaseSpec.cost`` fields do not show (coefficients an ``item_cost`` rule
-    reads from elsewhere), e.g. :meth:`evenflow.planning.TimeCost.key` of a fitted model: part of
-    :meth:`plan_key` (NOTE [ The plan key ])."""
+    reads from elsewhere), e.g. `evenflow.planning.TimeCost.key()` of a fitted model: part of
+    [`plan_key()`][plan_key] (NOTE [ The plan key ])."""
 
     def __post_init__(self) -> None:
         for name, spec in self.encoders.items():
@@ -249,7 +251,7 @@ def encode_metadata(metas: Sequence[ExampleMeta], num_phases: int, *,
 
 def decode_metadata(arr: np.ndarray, num_phases: int, *, meta_widths: Sequence[int] | None = None
                     ) -> list[ExampleMeta]:
-    """Inverse of :func:`encode_metadata` (trailing padding is ignored)."""
+    """Inverse of [`encode_metadata()`][encode_metadata] (trailing padding is ignored)."""
     widths = list(meta_widths) if meta_widths is not None else [0] * num_phases
     vals = arr.tolist()
     count, p = vals[0], 1

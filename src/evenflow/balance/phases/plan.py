@@ -39,7 +39,8 @@ class PhasePlan:
     rows: np.ndarray
     """Input rows of each item."""
     out_rows: np.ndarray
-    """Output rows (:meth:`PhaseSpec.out_rows`: ``rows // downsample`` unless the phase states its rule)."""
+    """Output rows ([`PhaseSpec.out_rows()`][PhaseSpec.out_rows]: ``rows // downsample`` unless the phase states its
+    rule)."""
     dest: np.ndarray
     """Encoder rank of each item."""
     meta: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
@@ -224,8 +225,9 @@ def _place(costs: np.ndarray, source: np.ndarray, item_bytes: np.ndarray, spec: 
         if held.max() > cap:
             r = int(held.argmax())
             raise ValueError(f"{phase}: rank {r} holds {int(held[r])} input rows in this step, over "
-                             f"max_rows_per_rank={cap}; give the loader the same budget (extra_budgets) so no rank "
-                             "gets more at home, or raise max_rows_per_rank")
+                             f"max_encoder_rows={cap} (the phase's max_rows_per_rank); give the loader the same "
+                             "budget (DynamicBatchLoader(max_encoder_rows=)) so no rank gets more at home, or raise "
+                             "max_encoder_rows")
     return dest
 
 

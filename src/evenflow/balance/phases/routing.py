@@ -1,6 +1,6 @@
-"""One rank's orders and split sizes, derived from the global :class:`StepPlan` (pure).
+"""One rank's orders and split sizes, derived from the global [`StepPlan`][StepPlan] (pure).
 
-See NOTE [ Composed routing ] in :mod:`evenflow.exchange`: encoder outputs go from the encoder
+See NOTE [ Composed routing ] in [`evenflow.exchange`][evenflow.exchange]: encoder outputs go from the encoder
 rank straight to the LLM rank of their example, all phases in one exchange.
 """
 
@@ -35,7 +35,8 @@ def _bincount(index: np.ndarray, weights: np.ndarray, world: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RankRouting:
-    """Everything one rank needs to run a step: orders, split sizes, row indices. Pure, from a :class:`StepPlan`."""
+    """Everything one rank needs to run a step: orders, split sizes, row indices. Pure, from a
+    [`StepPlan`][StepPlan]."""
 
     rank: int
     text_send_positions: list[int]

@@ -1,11 +1,12 @@
 """Global planning (``planning="global"``): one round over the pooled buffers of all ranks. Pure.
 
-- plan.py   -- :func:`plan_global_round`, the entry point every rank evaluates on the same gathered metadata
+- plan.py   -- [`plan_global_round()`][plan_global_round], the entry point every rank evaluates on the same gathered
+  metadata
 - groups.py -- step 1: groups over the union under the budgets; the drain's re-plan
-- mix.py    -- step 2: what each optimizer step is made of and which steps a round emits (issue 18)
+- mix.py    -- step 2: what each optimizer step is made of and which steps a round emits
 - place.py  -- steps 3 and 4: equal-cost steps (``mix="cost_order"``), each group to the rank holding most of
                its bytes
-- packs.py  -- padding-free packs (``cost="summed"``) dealt mixed and balanced on time (issue 35);
+- packs.py  -- padding-free packs (``cost="summed"``) dealt mixed and balanced on time;
                lpt.py, its fallback on best fit's packs
 """
 

@@ -1,7 +1,8 @@
-"""Step 1 of the global round plan (:mod:`evenflow.planning.pooled.plan`): groups over the union of every rank's
-buffer, and the drain's re-grouping of the last items into as many cheap groups as there are slots. Pure.
+"""Step 1 of the global round plan ([`evenflow.planning.pooled.plan`][evenflow.planning.pooled.plan]): groups over the
+union of every rank's buffer, and the drain's re-grouping of the last items into as many cheap groups as there are
+slots. Pure.
 
-Groups are slices of one sorted order (:class:`_Table`); the plan's later steps choose, deal and place them.
+Groups are slices of one sorted order ([`_Table`][_Table]); the plan's later steps choose, deal and place them.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def global_groups(lengths: np.ndarray, sources: np.ndarray, grouping: GroupingCo
     Padded cost: sort by (padded length, source, id) and cut greedily from the top (the optimal contiguous
     partition, NOTE [ Padded grouping is optimal ]); a sample over budget on its own gets its own group under
     ``oversize="alone"`` and raises otherwise (the runtime already applied ``"drop"`` when buffering). Summed
-    cost: :func:`evenflow.planning.grouping.plan` on the union.
+    cost: [`evenflow.planning.grouping.plan()`][evenflow.planning.grouping.plan] on the union.
 
     >>> [g.tolist() for g in global_groups(np.array([3, 3, 3, 3]), np.array([1, 0, 1, 0]),
     ...                                     GroupingConfig(token_budget=6))]
@@ -146,7 +147,7 @@ def _greedy_bounds(sorted_plen: np.ndarray, sorted_extra: Mapping[str, np.ndarra
 
 def _greedy_bounds_extra(sorted_plen: np.ndarray, sorted_extra: Mapping[str, np.ndarray],
                          grouping: GroupingConfig) -> list[int]:
-    """:func:`_greedy_bounds` with extra budgets: one step per group, each bounded by prefix sums."""
+    """[`_greedy_bounds()`][_greedy_bounds] with extra budgets: one step per group, each bounded by prefix sums."""
     top = int(sorted_plen.size)
     read = sorted_plen.item
     budget, most = grouping.token_budget, grouping.max_samples or max(top, 1)

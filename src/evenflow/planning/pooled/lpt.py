@@ -107,7 +107,7 @@ def refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, 
 
 def _refine(packs: list[np.ndarray], lengths: np.ndarray, item_time: np.ndarray, cap: int,
             most: int | None, times: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
-    """:func:`refine`, given (or computing) each pack's time; returns the packs and their times."""
+    """[`refine()`][refine], given (or computing) each pack's time; returns the packs and their times."""
     times = pack_sums(packs, item_time) if times is None else times.copy()
     if not len(packs) or times.max() <= times.mean() * (1 + REFINE_SLACK):
         return packs, times

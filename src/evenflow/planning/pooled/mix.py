@@ -3,12 +3,13 @@
 Tight padded micro-batches are length-homogeneous, and the W micro-batches of a balanced step must cost the
 same. Dealt the obvious way -- cost-sorted groups, W neighbours per step, the fullest steps first -- the
 steps are length-homogeneous too (cost neighbours are length neighbours: ``floor(B / L) * L`` is a sawtooth in
-L) and the epoch runs as a length curriculum. Both train worse than random batches (issue 18,
-:mod:`evenflow.sim.composition` measures it). Three pieces undo that without touching the groups:
+L) and the epoch runs as a length curriculum. Both train worse than random batches
+([`evenflow.sim.composition`][evenflow.sim.composition] measures it). Three pieces undo that without touching the
+groups:
 
 NOTE [ Stratified steps ]
     Groups whose time costs lie within a factor ``1 + mix_tolerance`` of each other are interchangeable for
-    balance. :func:`band_steps` cuts the cost-sorted groups into such bands (whole multiples of W) and deals
+    balance. [`band_steps()`][band_steps] cuts the cost-sorted groups into such bands (whole multiples of W) and deals
     each band like cards by length: sorted by length key, the band forms W strata of m groups, and step t
     takes the t-th group of every stratum, odd strata in reverse (a serpentine, so no step gets every
     stratum's shortest). Example, W = 2, one band of keys [1, 2, 3, 4, 5, 6]: strata [1, 2, 3] and [6, 5, 4],
@@ -22,7 +23,7 @@ NOTE [ Stratified steps ]
 NOTE [ A round emits a sample of the buffer ]
     Every round emits T of the C candidate steps (the bands' steps). Fullest-first leaves the long,
     low-fill groups for the end; oldest-first favours many-sample groups (more items, more chances to hold
-    an old one). Instead, :func:`select_steps` draws a *systematic sample*: candidates sorted by mean sample
+    an old one). Instead, [`select_steps()`][select_steps] draws a *systematic sample*: candidates sorted by mean sample
     length, cut into T equal chunks, one step from each at offset ``frac(round * golden ratio)`` -- so every
     stratum goes at its own rate and, over rounds, every position in a chunk is hit. Two corrections:
     * bounded waiting: the step holding the oldest item goes once that item has waited ``max_wait_rounds``
@@ -104,7 +105,7 @@ def chunks(n: int, k: int) -> np.ndarray:
 
 
 def systematic(n: int, k: int, round_index: int) -> np.ndarray:
-    """One position in each of the ``k`` :func:`chunks` of ``range(n)``, at the offset of round ``round_index``:
+    """One position in each of the ``k`` [`chunks()`][chunks] of ``range(n)``, at the offset of round ``round_index``:
     over rounds every position of a chunk is taken (``frac(r * GOLDEN)`` fills [0, 1) evenly).
 
     >>> systematic(10, 2, 0).tolist(), systematic(10, 2, 1).tolist()
@@ -115,7 +116,8 @@ def systematic(n: int, k: int, round_index: int) -> np.ndarray:
 
 
 def length_keys(lengths: np.ndarray, member: np.ndarray, group_of: np.ndarray, num_groups: int) -> np.ndarray:
-    """Token-weighted mean of ``log(length)`` per group: what :mod:`evenflow.sim.composition` averages per step."""
+    """Token-weighted mean of ``log(length)`` per group: what [`evenflow.sim.composition`][evenflow.sim.composition]
+    averages per step."""
     w = np.maximum(lengths[member], 1).astype(np.float64)
     num = np.bincount(group_of, weights=w * np.log(w), minlength=num_groups)
     return num / np.maximum(np.bincount(group_of, weights=w, minlength=num_groups), 1.0)

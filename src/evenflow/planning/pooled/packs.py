@@ -1,15 +1,15 @@
-"""Padding-free packs balanced on time and mixed (``cost="summed"``, issue 35): a round's samples dealt into its
+"""Padding-free packs balanced on time and mixed (``cost="summed"``): a round's samples dealt into its
 steps' packs. Pure.
 
 NOTE [ Packed steps balanced on time ]
     A pack's time is the sum of its sequences' ``f(L) = gamma + alpha L + beta L^2`` (a ``"summed"``
-    :class:`~evenflow.planning.timecost.TimeCost`). Best fit decreasing fills packs to the token budget, so two
+    [`TimeCost`][evenflow.planning.timecost.TimeCost]). Best fit decreasing fills packs to the token budget, so two
     full packs cost alike by tokens, yet one holding a 16,384-token chat takes 1.67 times one of 300 short chats
     under the default cost (NOTE [ The default time cost ]). And best fit's packs are length-homogeneous (a long
     opener and its fillers), so steps of packs that cost alike are homogeneous too. Each round, best fit's packs
     still decide how many steps go and which samples (the stratified selection, NOTE [ A round emits a sample of
-    the buffer ]); :func:`deal_round` then deals those samples again into the round's ``T * W`` packs, the token
-    budget a hard limit:
+    the buffer ]); [`deal_round()`][deal_round] then deals those samples again into the round's ``T * W`` packs, the
+    token budget a hard limit:
 
     1. *anchors* -- sequences above ``ANCHOR_SHARE`` of a pack's mean time -- W at a time, longest first, to the
        step with the least time so far, one to each of its ranks: in a full step no rank can make up for a
@@ -18,8 +18,8 @@ NOTE [ Packed steps balanced on time ]
     2. the rest, longest first, ``T * W`` at a time to the packs in the order of their time so far (the longest
        to the least loaded), each pack keeping its share of room for the short ones;
     3. short ones (below ``SMALL_SHARE``) by best fit into the room left; what finds no room moves one placed
-       item to another pack (:meth:`_Deal.chain`) or waits for the next round, and the gaps left are filled from
-       the rest of the buffer, largest that fits first -- so a round trains as many tokens as best fit's packs;
+       item to another pack ([`_Deal.chain()`][_Deal.chain]) or waits for the next round, and the gaps left are filled
+       from the rest of the buffer, largest that fits first -- so a round trains as many tokens as best fit's packs;
     4. each step's slowest pack gives one sequence to, or swaps one with, another pack while that lowers it
        (``refine`` in lpt.py; LPT's 4/3 is loose for a handful of sequences per rank).
 
@@ -29,10 +29,10 @@ NOTE [ Packed steps balanced on time ]
     each step's packs up to its slowest one instead: a sequence as long as the budget sets its step's pace, and
     the step's other ranks may as well take more. When the deal would train more than ``SHORTFALL`` (plan.py)
     fewer tokens than best fit's packs (late in an epoch the short ones run out; the rounds would add steps), and
-    for a drain that does not fit, best fit's packs go: in steps of packs of similar time (NOTE [ Stratified steps ]), each step's
-    sequences dealt again longest first to the least loaded rank (``balance_steps`` in lpt.py), the drain's into
-    all ``T * W`` packs at once (``drain_packs``) -- halving best fit's costliest packs instead left steps of W
-    single sequences of unrelated lengths (issue 35: 471 against 3,484 tokens at step 403 of 406).
+    for a drain that does not fit, best fit's packs go: in steps of packs of similar time (NOTE [ Stratified steps ]),
+    each step's sequences dealt again longest first to the least loaded rank (``balance_steps`` in lpt.py), the drain's
+    into all ``T * W`` packs at once (``drain_packs``) -- halving best fit's costliest packs instead left steps of W
+    single sequences of unrelated lengths (measured: 471 against 3,484 tokens at step 403 of 406).
 
     Example, W = 2, budget 12, ``f(L) = L + L^2 / 8``, one step of [6, 6, 2, 2, 2, 2, 2, 2]: best fit packs [6, 6]
     (21) and [2, 2, 2, 2, 2, 2] (15); the deal gives each rank one 6 and three 2s (18 and 18).
@@ -162,7 +162,7 @@ class _Deal:
 
     def deal(self, block: np.ndarray, step: int | None = None) -> list[int]:
         """``block`` (longest first) to the packs (of ``step``) in the order of their time so far, the longest to
-        the least loaded; an item whose pack lacks room (and the reserve) goes on its own (:meth:`put`). Returns
+        the least loaded; an item whose pack lacks room (and the reserve) goes on its own ([`put()`][put]). Returns
         what found no room."""
         w = self.world
         idx = np.arange(self.room.size) if step is None else np.arange(step * w, (step + 1) * w)

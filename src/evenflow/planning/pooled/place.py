@@ -1,5 +1,6 @@
-"""Steps 3 and 4 of the global round plan (:mod:`evenflow.planning.pooled.plan`): deal the chosen groups into
-equal-cost steps, then place each step's groups on the ranks that already hold most of their bytes. Pure.
+"""Steps 3 and 4 of the global round plan ([`evenflow.planning.pooled.plan`][evenflow.planning.pooled.plan]): deal the
+chosen groups into equal-cost steps, then place each step's groups on the ranks that already hold most of their bytes.
+Pure.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _place(slot_of_item: np.ndarray, sources: np.ndarray, nbytes: np.ndarray, wo
     Sparse: a slot's items come from a few ranks, so only (slot, source rank) pairs that hold bytes are
     candidates -- never a dense ``[slots, W]`` matrix (52 M entries at 2,560 ranks). ``exact``: an exact
     assignment per step instead (the caller decides: ``EXACT_MATCH_MAX_RANKS`` in
-    :mod:`evenflow.planning.pooled.plan`).
+    [`evenflow.planning.pooled.plan`][evenflow.planning.pooled.plan]).
     """
     units = _scaled_bytes(nbytes)
     if exact:
@@ -76,7 +77,7 @@ def _place(slot_of_item: np.ndarray, sources: np.ndarray, nbytes: np.ndarray, wo
 
 def _place_exact(slot_of_item: np.ndarray, sources: np.ndarray, units: np.ndarray, world: int, steps: int,
                  per_node: int) -> np.ndarray:
-    """:func:`_place` by an exact assignment per step on the same score (node bytes * shift + rank bytes)."""
+    """[`_place()`][_place] by an exact assignment per step on the same score (node bytes * shift + rank bytes)."""
     slots = steps * world
     own = np.bincount(slot_of_item * world + sources, weights=units, minlength=slots * world).reshape(slots, world)
     node_of = np.arange(world) // per_node

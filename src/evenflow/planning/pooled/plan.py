@@ -12,7 +12,7 @@ Signature (what the runtime's global round calls on every rank, on the same gath
 * ``item_bytes[i]`` -- bytes moved if item i changes rank (default: its length);
 * ``final`` -- no rank will buffer another sample this epoch (join-mode drain): plan the rest evenly;
 * ``num_steps`` -- T fixed by the caller (``None``: chosen from the buffer); the plan has exactly T steps;
-* ``progress`` -- what the epoch emitted before (:class:`~evenflow.planning.pooled.mix.EpochProgress`: the
+* ``progress`` -- what the epoch emitted before ([`EpochProgress`][evenflow.planning.pooled.mix.EpochProgress]: the
   round index and the samples and tokens so far; every rank advances it the same way after each plan).
 
 ``GlobalRoundPlan``: ``num_steps`` = T; ``step[i]``, ``dest[i]`` = step and rank that train item i, both
@@ -21,22 +21,23 @@ time cost of rank r's batch at step t (0 = IDLE); ``slots()`` = ``[T][W]`` lists
 
 How a round is planned (every step is a function of the input only, ties broken by index):
 
-1. **Groups** over the union under the token budget(s) (:mod:`evenflow.planning.grouping`'s rule: sort by
+1. **Groups** over the union under the token budget(s) ([`evenflow.planning.grouping`][evenflow.planning.grouping]'s
+rule: sort by
    padded length, take the longest feasible run from the top -- the optimal contiguous partition). Equal
    padded lengths are ordered by source rank, so groups of equal-length items come from one rank when they
    can (free locality: the cost does not change).
 2. **Balanced, mixed steps, sampled from the buffer** (``mix="stratified"``, the default;
-   :mod:`evenflow.planning.pooled.mix`). ``T = min(max_steps, G // W)`` steps (at least 1; more, up to
+   `evenflow.planning.pooled.mix`). ``T = min(max_steps, G // W)`` steps (at least 1; more, up to
    ``n // W``, while old groups wait). The groups are sorted by time cost
-   (:class:`~evenflow.planning.timecost.TimeCost`, token-counting by default) and cut into cost bands of whole
+   ([`TimeCost`][evenflow.planning.timecost.TimeCost], token-counting by default) and cut into cost bands of whole
    steps, inside which any groups may share a step (costs within ``mix_tolerance``); each band is dealt by
    length strata, so a step mixes short and long groups (NOTE [ Stratified steps ]). From these candidate steps
    the round emits a systematic sample by mean sample length, the oldest item's step included once it waited
    ``max_wait_rounds`` (NOTE [ A round emits a sample of the buffer ]); the partial group at the short end and
    ``G mod W`` others stay buffered and regroup with the next arrivals. NOTE [ Drain sized from the remaining
    work ] covers ``final``; ``num_steps`` fixes T from outside (the runtime's alignment between planning groups,
-   :func:`round_target`), and with fewer than ``T * W`` groups the costliest are split until every slot has work.
-   ``mix="cost_order"`` is the planner before issue 18: blocks of W cost neighbours, the fullest chosen first
+   [`round_target()`][round_target]), and with fewer than ``T * W`` groups the costliest are split until every slot has
+   work. ``mix="cost_order"`` is the older cost-ordered planner: blocks of W cost neighbours, the fullest chosen first
    (NOTE [ Choosing whole steps ]) -- steps as homogeneous in length as their costs, in a curriculum order.
    Padding-free packs (summed cost and a ``"summed"`` time cost): the chosen groups' samples are dealt again into
    the round's packs, mixed and balanced on time (NOTE [ Packed steps balanced on time ], packs.py).
@@ -64,6 +65,9 @@ NOTE [ Drain sized from the remaining work ]
     optimal group count only falls as the budget grows), then halves the costliest groups until every slot
     has work. Example, W = 4, budget 16: remaining items plan into 5 full groups -> T = 2 steps; a budget of
     ~10 gives 8 groups of ~10 tokens instead of 5 full groups and 3 IDLE ranks (2 of 8 slots near-empty).
+    Quota mode (``join=False``) never drains into IDLE slots: with fewer than ``T * W`` items left it emits
+    ``floor(n / W)`` whole steps and the rest carries into the next epoch, as NOTE [ The alignment rule ] has a
+    rank with samples never emit IDLE.
 
 >>> cfg = GlobalPlanConfig(grouping=GroupingConfig(token_budget=8), max_steps=2)
 >>> p = plan_global_round([4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1], 2, config=cfg)
@@ -110,7 +114,7 @@ class GlobalPlanConfig:
     """What a step balances, the budgets staying hard limits (default: tokens). Padded groups: which groups share a
     step (sorted by it); summed, with a ``"summed"`` layout: each pack's time, the sum of its sequences' (NOTE
     [ Packed steps balanced on time ]). Fixed before the epoch; the loader's is
-    :func:`~evenflow.planning.timecost.default_time_cost` unless ``time_cost=`` is given."""
+    [`default_time_cost()`][evenflow.planning.timecost.default_time_cost] unless ``time_cost=`` is given."""
     ranks_per_node: int | None = None
     """Consecutive ranks per node for node-aware placement; ``None``: one node."""
     keep_home_tolerance: float | None = None
@@ -118,8 +122,8 @@ class GlobalPlanConfig:
     only exact ties are grouped by source (free). Off by default: it trades padded efficiency for bytes."""
     mix: Literal["stratified", "cost_order"] = "stratified"
     """How steps are composed and chosen. ``"stratified"``: each step mixes lengths within a cost band and a
-    round emits a systematic sample of the buffer (:mod:`evenflow.planning.pooled.mix`). ``"cost_order"``: the
-    planner before issue 18 -- W cost neighbours per step, the fullest steps first, costliest first; steps as
+    round emits a systematic sample of the buffer (`evenflow.planning.pooled.mix`). ``"cost_order"``: the
+    older cost-ordered planner -- W cost neighbours per step, the fullest steps first, costliest first; steps as
     length-homogeneous as they come and ordered like a curriculum (kept as a benchmark baseline)."""
     mix_tolerance: float = 0.02
     """Groups whose time costs differ by at most this fraction share a band and mix (NOTE [ Stratified steps ]):
@@ -127,6 +131,10 @@ class GlobalPlanConfig:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step (the loader's ``grad_accum_steps``): how the stratified mix orders a
     round's steps (NOTE [ Round order ])."""
+    join: bool = True
+    """The loader's ``join``. ``False`` (quota mode): what a round does not emit carries into the next epoch, so
+    the drain (``final``) emits at most ``n // W`` steps and never an IDLE slot while the round's items could fill
+    it (NOTE [ Drain sized from the remaining work ]); join mode trains everything, IDLE slots included."""
 
     def __post_init__(self) -> None:
         if self.mix not in ("stratified", "cost_order"):
@@ -226,7 +234,7 @@ def _inputs(lengths, sources, num_ranks, age, extra, item_bytes, config):
 def _group_stats(table: _Table, lengths: np.ndarray, ages: np.ndarray, extra: Mapping[str, np.ndarray],
                  time_cost: TimeCost) -> tuple[np.ndarray, ...]:
     """Per group: (oldest age, real tokens, lowest id, time cost, samples, length key), by reduceat over the order
-    the slices tile (length key: :func:`~evenflow.planning.pooled.mix.length_keys`)."""
+    the slices tile (length key: [`length_keys()`][evenflow.planning.pooled.mix.length_keys])."""
     asc = np.argsort(table.lo, kind="stable")  # the greedy's lo descend: numpy detects the reversal
     starts = table.lo[asc]
     stats = np.empty((4, len(table)), dtype=np.int64)
@@ -298,8 +306,9 @@ def _num_steps(num_groups: int, num_old: int, num_items: int, world: int, config
                final: bool) -> int:
     """Full steps, or more to let old groups go -- but no more than the items can fill (``n // W``: every
     step then trains >= W samples, which the runtime's steps bound relies on)."""
-    if final:
-        return min(-(-num_groups // world), config.max_steps)
+    if final:  # quota mode: the items that cannot fill a whole step carry (NOTE [ Drain sized from ... ])
+        steps = min(-(-num_groups // world), config.max_steps)
+        return steps if config.join else max(1, min(steps, num_items // world))
     full = max(1, min(config.max_steps, num_groups // world))
     return max(full, min(config.max_steps, -(-num_old // world), num_items // world))
 
@@ -308,7 +317,7 @@ def round_target(groups: Sequence[int], samples: Sequence[int], sizes: Sequence[
     """T shared by several planning groups (pass it as ``num_steps`` to each group's plan).
 
     NOTE [ The alignment rule ] with planning groups in place of ranks, from every group's union groups G_g
-    (:func:`global_groups`), samples N_g and size k_g:
+    ([`global_groups()`][global_groups]), samples N_g and size k_g:
     ``T = max(1, min(max_g floor(G_g / k_g), cap, min_{g active} floor(N_g / k_g)))`` -- max-based, so no
     group waits for the slowest, and capped by the samples so splitting can fill ``T * k_g`` slots of every
     group that has samples.
@@ -380,7 +389,8 @@ go (NOTE [ Packed steps balanced on time ]): a round that trains fewer tokens ad
 def _deal_packed(groups: list[np.ndarray], lengths: np.ndarray, ages: np.ndarray, item_time: np.ndarray, world: int,
                  steps: int, config: GlobalPlanConfig, round_index: int,
                  final: bool) -> tuple[list[np.ndarray], np.ndarray] | None:
-    """The chosen packs' items dealt again into mixed, time-balanced steps (:func:`deal_round`) in NOTE [ Round
+    """The chosen packs' items dealt again into mixed, time-balanced steps ([`deal_round()`][deal_round]) in NOTE [
+    Round
     order ]; ``None`` when the drain cannot place every item that way (best fit's packs go instead)."""
     items = np.sort(np.concatenate(groups))
     most, cap = config.grouping.max_samples, _packed(config)
@@ -435,7 +445,7 @@ def plan_global_round(lengths: Sequence[int] | np.ndarray, sources: Sequence[int
     Every emitted group is within every budget; every item is emitted at most once (``step``/``dest``) and
     the kept ones are exactly ``kept``; every step has W slots, IDLE only when fewer items than slots remain.
     With ``num_steps`` the plan has exactly that many steps (all IDLE without items). ``progress``: what the
-    epoch emitted before this round (:class:`EpochProgress`; only the stratified mix reads it).
+    epoch emitted before this round ([`EpochProgress`][EpochProgress]; only the stratified mix reads it).
     """
     ls, src, ages, ext, nbytes = _inputs(lengths, sources, num_ranks, age, extra, item_bytes, config)
     world, n = int(num_ranks), ls.size

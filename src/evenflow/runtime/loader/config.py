@@ -1,13 +1,14 @@
 """LoaderConfig, and DynamicBatchLoader's flat keyword arguments turned into it (evenflow.runtime.loader).
 
 The loader takes flat keyword arguments (``token_budget=``, ``join=``, ...); they become one frozen, validated
-:class:`LoaderConfig` -- everything that decides which samples form which batch -- checked at construction in
+[`LoaderConfig`][LoaderConfig] -- everything that decides which samples form which batch -- checked at construction in
 the order a user hits them: unknown names first (with the evenflow name of a DataLoader argument), then the
 config's fields, then the worker arguments. The default collate follows from ``cost``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,9 +16,11 @@ from datetime import timedelta
 from ...planning.alignment import AlignmentConfig
 from ...planning.grouping import CostModel, GroupingConfig, OversizePolicy
 from ...planning.loss import LossTokenRule
+from ...planning.shard import ShardLayout
 from ...planning.timecost import TimeCost, default_time_cost
 from ..collate import FlatCollate, PadCollate
 from ..planning import PLANNING_CHOICES, PlanningChoice
+from ..samples import AUDIO_FRAMES, ENCODER_ROWS, media_resources
 
 __all__ = ["LoaderConfig"]
 
@@ -51,10 +54,13 @@ class LoaderConfig:
     else blocks of 8 (evenflow.runtime.planning.default_planning_group)."""
     time_cost: TimeCost | None = None
     """What global planning balances across the ranks of a step (the token budget stays a hard limit);
-    ``None``: :func:`~evenflow.planning.timecost.default_time_cost` of ``cost`` -- padded tokens, or a
+    ``None``: [`default_time_cost()`][evenflow.planning.timecost.default_time_cost] of ``cost`` -- padded tokens, or a
     per-sequence ``L + L^2 / 24,576`` summed over each pack (NOTE [ The default time cost ], NOTE [ Packed steps
-    balanced on time ]). Its layout must be ``cost``'s (``TimeCost()``, the planner before issue 35, is accepted
+    balanced on time ]). Its layout must be ``cost``'s (``TimeCost()``, the plain padded-token cost, is accepted
     for either). Part of the resume fingerprint."""
+    shard: ShardLayout | None = None
+    """The CP/SP split of every batch (from ``mesh=``; NOTE [ Shard-ready rows ] in evenflow.planning.shard):
+    the budget is per data-parallel group and a multiple of its unit. Part of the resume fingerprint."""
 
     def __post_init__(self) -> None:
         if self.planning not in PLANNING_CHOICES:
@@ -67,6 +73,11 @@ class LoaderConfig:
         if self.planning == "global" and self.balance:
             raise ValueError("planning='global' already balances every step (it forms the groups over all ranks' "
                              "buffers); pass balance=False with it, or planning='local' with balance=True")
+        if self.shard is not None:
+            self.shard.check_budget(self.grouping.token_budget)
+            if not self.loss_tokens.shift:
+                raise ValueError("a mesh with CP/SP trains on pre-shifted shift_labels, which count the causal-LM "
+                                 "shift; pass loss_tokens=LossTokenRule(shift=True) (the default)")
         if not isinstance(self.depth, int) or self.depth < 1:
             raise ValueError(f"depth must be an integer >= 1, got {self.depth!r}")
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -114,8 +125,12 @@ def _loader_config(*, token_budget: int, cost: CostModel, max_samples: int | Non
                    join: bool, max_steps_per_round: int, max_wait_rounds: int, buffer_size: int, seed: int,
                    shuffle: bool, depth: int, grad_accum_steps: int, loss_tokens: LossTokenRule | None,
                    timeout: timedelta, balance: bool, planning: PlanningChoice,
-                   planning_group: int | None, time_cost: TimeCost | None = None) -> LoaderConfig:
-    """The loader's arguments as a :class:`LoaderConfig` (each part validates itself: grouping, alignment, rest)."""
+                   planning_group: int | None, time_cost: TimeCost | None = None,
+                   shard: ShardLayout | None = None) -> LoaderConfig:
+    """The loader's arguments as a [`LoaderConfig`][LoaderConfig] (each part validates itself: grouping, alignment,
+    rest)."""
+    if shard is not None and cost == "padded":  # padded rows split evenly: the planner costs the rounded width
+        pad_to_multiple_of = math.lcm(pad_to_multiple_of or 1, shard.unit)
     grouping = GroupingConfig(token_budget=token_budget, cost=cost, max_samples=max_samples,
                               extra_budgets=dict(extra_budgets or {}), oversize=oversize,
                               pad_to_multiple_of=pad_to_multiple_of)
@@ -124,7 +139,48 @@ def _loader_config(*, token_budget: int, cost: CostModel, max_samples: int | Non
     return LoaderConfig(grouping=grouping, alignment=alignment, seed=seed, shuffle=shuffle, depth=depth,
                         grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens or LossTokenRule(),
                         timeout=timeout, balance=balance, planning=planning, planning_group=planning_group,
-                        time_cost=time_cost)
+                        time_cost=time_cost, shard=shard)
+
+
+def _encoder_budgets(extra_budgets: Mapping[str, int] | None, max_encoder_rows: int | None) -> dict[str, int]:
+    """``extra_budgets`` with ``max_encoder_rows`` as the vision rows' budget (one name for one budget)."""
+    out = dict(extra_budgets or {})
+    if max_encoder_rows is None:
+        return out
+    if isinstance(max_encoder_rows, bool) or not isinstance(max_encoder_rows, int) or max_encoder_rows < 1:
+        raise ValueError(f"max_encoder_rows must be a positive int (patch rows before merging per batch) or None, "
+                         f"got {max_encoder_rows!r}")
+    if ENCODER_ROWS in out:
+        raise ValueError(f"extra_budgets={{{ENCODER_ROWS!r}: {out[ENCODER_ROWS]}}} and max_encoder_rows="
+                         f"{max_encoder_rows} are the same budget; give it once, as max_encoder_rows=")
+    out[ENCODER_ROWS] = max_encoder_rows
+    return out
+
+
+def _media_resources_fn(resources_fn: Callable | None, budgets: Mapping[str, int], *, derive: bool
+                        ) -> Callable | None:
+    """``resources_fn`` that reads encoder rows and audio frames off a sample's grids and clips: always for
+    ``max_encoder_rows`` (``derive``), else where neither the user's function nor the sample gives them."""
+    media = [name for name in (ENCODER_ROWS, AUDIO_FRAMES) if name in budgets]
+    if not media:
+        return resources_fn
+
+    def resources(sample: Mapping) -> dict:
+        if resources_fn is not None:
+            given = dict(resources_fn(sample))
+        else:
+            missing = [k for k in budgets if k not in sample and k not in media]
+            if missing:
+                raise ValueError(f"extra_budgets names {missing} but the sample has no such key; add it to the "
+                                 "sample or pass resources_fn")
+            given = {k: sample[k] for k in budgets if k in sample}
+        derived = media_resources(sample)
+        for name in media:
+            if name not in given or (derive and name == ENCODER_ROWS):
+                given[name] = derived[name]
+        return given
+
+    return resources
 
 
 def _check_workers(num_workers: object, worker_timeout: object, timeout: object) -> None:
@@ -139,7 +195,10 @@ def _check_workers(num_workers: object, worker_timeout: object, timeout: object)
                          "Lower worker_timeout= or raise timeout=")
 
 
-def _default_collate(cost: CostModel, pad_token_id: int, pad_to_multiple_of: int | None) -> Callable:
-    """The collate of ``collate_fn=None``: :class:`PadCollate` (padded cost) or :class:`FlatCollate` (summed)."""
+def _default_collate(cost: CostModel, pad_token_id: int, pad_to_multiple_of: int | None,
+                     shard: ShardLayout | None = None) -> Callable:
+    """The collate of ``collate_fn=None``: [`PadCollate`][PadCollate] (padded cost) or [`FlatCollate`][FlatCollate]
+    (summed),
+    shard-ready under a CP/SP mesh."""
     collate_cls = FlatCollate if cost == "summed" else PadCollate
-    return collate_cls(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    return collate_cls(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, shard=shard)

@@ -64,7 +64,7 @@ class StreamPosition:
     """The next stream position of an iterable dataset: the key its next sample gets.
 
     The loader owns one and keeps it across the passes of quota mode, so carried keys stay unique; each
-    pass's :class:`_Numbered` draws from it.
+    pass's [`_Numbered`][_Numbered] draws from it.
     """
 
     def __init__(self) -> None:
@@ -72,10 +72,10 @@ class StreamPosition:
 
 
 class _Numbered:
-    """``(position, sample)`` over a raw stream, positions drawn from a running :class:`StreamPosition`; every
-    sample read also goes to the epoch's :class:`~evenflow.runtime.stream_check.StreamWindow` (the unsplit-stream
-    check and the resume fingerprint: NOTE [ Sharding mistakes ]), which raises when a resumed stream is not the
-    saved one -- an error of this rank's stream, reported to every rank like a failing ``__iter__``."""
+    """``(position, sample)`` over a raw stream, positions drawn from a running [`StreamPosition`][StreamPosition];
+    every sample read also goes to the epoch's [`StreamWindow`][evenflow.runtime.stream_check.StreamWindow] (the
+    unsplit-stream check and the resume fingerprint: NOTE [ Sharding mistakes ]), which raises when a resumed stream is
+    not the saved one -- an error of this rank's stream, reported to every rank like a failing ``__iter__``."""
 
     def __init__(self, position: StreamPosition, raw: Iterator, window: StreamWindow | None = None) -> None:
         self.position = position

@@ -29,16 +29,21 @@ from ...planning.timecost import TimeCost
 from ..collator import EpochPipeline, Handoff, Release, SampleSpec, default_batch_check
 from ..comm import resolve_topology
 from ..epoch_plan import PlannedLengths
+from ..mesh import PeerAgreement, mesh_release, resolve_mesh, shard_length_fn, shard_lengths
 from ...errors import sample_of
 from ..planning import PlanningChoice, setup_planning
 from ..resume import key_order
+from ..resume_print import ResumePrint, resume_print
 from ..shard_check import ContentPrint, content_print
 from ..source import StreamOptions, Streams, shard_indices
-from ...step_info import StepInfo, UsageCheck, UsageTracker
+from ...step_info import LoaderTerms, StepInfo, UsageCheck, UsageTracker
+from ..prefetch import StepPrefetch, bind_prefetch, check_prefetch
 from ..stream_check import StreamCheck, StreamWindow, window_size
 from ..teardown import close_at_exit, forget_at_exit
 from ..transfer import Moves
-from .config import LoaderConfig, _check_workers, _default_collate, _loader_config, _unknown_arguments
+from ..samples import unpadded
+from .config import (LoaderConfig, _check_workers, _default_collate, _encoder_budgets, _loader_config,
+                     _media_resources_fn, _unknown_arguments)
 from .idle import IdleTemplate
 from .keys import StreamPosition, _carried, _continued, _fetch_error, _Keyed, _Numbered
 from .state import STATE_VERSION, ResumeContext, _fingerprint, config_values, discarded, resume_state
@@ -62,9 +67,10 @@ class DynamicBatchLoader:
     dry yield IDLE batches); no batch exceeds a budget; ``scale_loss`` gives the exact global per-token
     loss; ``state_dict``/``load_state_dict`` resume without loss or repetition (on another number of ranks
     too, from the list of every rank's state: NOTE [ Re-dealing a resumed epoch ]); errors on any rank end the
-    epoch on every rank within one round (peers raise :class:`evenflow.PeerError`; a rank that leaves its
-    loop early makes peers raise :class:`evenflow.PeerStopped`, NOTE [ Early stops ] in evenflow/errors.py). Use
-    ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an error.
+    epoch on every rank within one round (peers raise [`evenflow.PeerError`][evenflow.PeerError]; a rank that leaves its
+    loop early makes peers raise [`evenflow.PeerStopped`][evenflow.PeerStopped], NOTE [ Early stops ] in
+    evenflow/errors.py). Use ``with loader:`` (or ``loader.close(exc)``) so that a trainer exception reaches peers as an
+    error.
 
     Constructing a loader is a collective when ``torch.distributed`` is initialized and no
     ``process_group`` is given (it creates a gloo group): build it on every rank, in the same order.
@@ -83,27 +89,34 @@ class DynamicBatchLoader:
     Arguments (keyword-only after ``dataset``; there is no ``batch_size``: the budget sizes batches). They come
     in seven concerns, in this order in the signature. At construction, unknown names are refused first (naming
     the evenflow name of a DataLoader argument), then what decides batches becomes one frozen, validated
-    :class:`LoaderConfig` (``grouping``, ``alignment``, ...; evenflow.runtime.loader.config), then the workers'
+    [`LoaderConfig`][LoaderConfig] (``grouping``, ``alignment``, ...; evenflow.runtime.loader.config), then the workers'
     arguments are checked.
 
-    *What one batch may hold* (:class:`~evenflow.planning.grouping.GroupingConfig`):
+    *What one batch may hold* ([`GroupingConfig`][evenflow.planning.grouping.GroupingConfig]):
 
     - ``token_budget``: the cost one batch may have on one rank: padded tokens (rows x longest) under
       ``cost="padded"``, summed tokens under ``cost="summed"``.
     - ``cost``: ``"padded"`` or ``"summed"`` (padding-free; switches the default collate to ``FlatCollate``).
     - ``max_samples``: cap on samples per batch (``None``: no cap).
-    - ``extra_budgets``: further per-batch budgets, e.g. ``{"num_patches": 4096}``; values come from the sample
-      keys of that name or ``resources_fn``.
+    - ``max_encoder_rows``: the vision encoder's budget, patch rows before merging per batch (what
+      ``pixel_values`` holds: ``t * h * w`` summed over ``image_grid_thw`` and ``video_grid_thw``), read off each
+      sample's grids; give [`evenflow.vlm.VLMConfig`][evenflow.vlm.VLMConfig] the same ``max_encoder_rows`` (a step
+      refuses a loader with another one before it trains).
+    - ``extra_budgets``: further per-batch budgets, e.g. ``{"num_frames": 3000}``; values come from
+      ``resources_fn``, else the sample keys of that name (``num_patches`` and ``num_frames`` are read off the
+      grids and audio clips when a sample has no such key).
     - ``oversize``: a sample over a budget on its own: ``"error"`` (default), ``"alone"`` (its own batch) or
-      ``"drop"`` (removed, counted in :attr:`dropped`).
+      ``"drop"`` (removed, counted in [`dropped`][dropped]).
     - ``pad_to_multiple_of``: round each batch's padded length up (the planner costs the rounded shape).
-    - ``length_fn``: ``sample -> int`` cost length (default ``len(sample["input_ids"])``).
+    - ``length_fn``: ``sample -> int`` cost length (default ``len(sample["input_ids"])``). A sample a processor
+      padded (zeros in its ``attention_mask``, left or right) is first cut to its real tokens: it trains and
+      costs what its unpadded form does.
     - ``resources_fn``: ``sample -> {name: int}`` for ``extra_budgets``.
 
     *How a batch is built*:
 
-    - ``collate_fn``: turns a list of samples into a batch dict; default :class:`PadCollate` (padded) or
-      :class:`FlatCollate` (summed). The loader adds the StepInfo after it.
+    - ``collate_fn``: turns a list of samples into a batch dict; default [`PadCollate`][PadCollate] (padded) or
+      [`FlatCollate`][FlatCollate] (summed). The loader adds the StepInfo after it.
     - ``pad_token_id``: padding id for the default collate.
     - ``idle_sample``: a sample to collate for IDLE batches when a rank never saw one (empty iterable streams;
       evenflow.runtime.loader.idle).
@@ -116,7 +129,7 @@ class DynamicBatchLoader:
       batches; ``False`` -- quota mode: leftovers carry over into the next epoch.
     - ``seed``, ``shuffle``: the per-epoch shuffle of the map-style index order (``set_epoch`` reseeds).
     - ``lengths``: every sample's length as the loader measures it (``length_fn``, default ``len(input_ids)``),
-      known before the epoch -- a dataset column, or :func:`evenflow.runtime.epoch_plan.dataset_lengths` (an HF
+      known before the epoch -- a dataset column, or `evenflow.dataset_lengths()` (an HF
       dataset's Arrow offsets, or one pass); a mapping ``{"tokens": ..., name: ...}`` adds ``extra_budgets``
       values. ``len(loader)`` is then each epoch's exact step count, before and during it (NOTE [ The planned
       epoch length ] in epoch_plan.py: what it covers and costs); every batch checks the lengths it was planned
@@ -127,28 +140,28 @@ class DynamicBatchLoader:
       whole dataset whose token augmentation depends on the rank or changes on every read, or overlapping
       streams by design (NOTE [ Sharding mistakes ] in evenflow.runtime.shard_check; docs/mistakes.md).
 
-    *Planning across ranks* (:class:`~evenflow.planning.alignment.AlignmentConfig` and the policy):
+    *Planning across ranks* ([`AlignmentConfig`][evenflow.planning.alignment.AlignmentConfig] and the policy):
 
     - ``planning``: ``"local"`` (each rank groups its own buffer), ``"global"`` (a planning group's ranks group
       the union of their buffers' metadata; subsumes ``balance``) or ``"auto"`` (default): ``"global"`` when
       2 <= world size <= 64 (or ``planning_group`` is given) and ``balance=False``, else ``"local"`` --
       decided once at construction from these arguments alone, so every rank resolves the same policy;
-      :attr:`planning` is the resolved one. ``balance=True`` with ``"auto"`` runs the local policy with its
-      rebalancer; ``planning="global", balance=True`` is refused. ``planning_group``: ranks per planning
-      group (``None``: all ranks up to 64, else blocks of 8). See :class:`LoaderConfig`. Global steps pack
+      [`planning`][planning] is the resolved one. ``balance=True`` with ``"auto"`` runs the local policy with its
+      rebalancer; ``planning="global", balance=True`` is refused. See [`LoaderConfig`][LoaderConfig]. Global steps pack
       tightest, each mixing length strata, in no length curriculum; what they trained in the demo's replay
-      (not yet as well as random batches everywhere) is in NOTE [ The default planning policy ] and the
-      README, "What the default trains".
+      (not yet as well as random batches everywhere) is on the page "What the default trains".
+    - ``planning_group``: ranks per planning group under global planning (``None``: all ranks up to 64, else
+      blocks of 8).
     - ``balance``: even out per-step costs across ranks by moving samples (one all-to-all per round). Under
       ``balance=True`` and ``planning="global"`` a sample may train on another rank: it moves as its tensors'
-      own bytes plus a pickle of the rest (:attr:`moves` counts them; NOTE [ Moved samples ] in transfer.py;
-      the ranks of a job must trust each other's pickles, README "Trust model").
+      own bytes plus a pickle of the rest ([`moves`][moves] counts them; the ranks of a job must trust each
+      other's pickles: the failures page, "Trust model").
     - ``buffer_size``: processed samples buffered per rank before grouping (more: fuller batches, more RAM;
-      the default policy mixes lengths within each step and emits no length curriculum at any size -- README,
+      the default policy mixes lengths within each step and emits no length curriculum at any size -- the page
       "What the default trains").
     - ``max_steps_per_round``: most batches one alignment round emits per rank.
     - ``time_cost``: what global planning balances across a step's ranks, a
-      :class:`~evenflow.planning.timecost.TimeCost` (``None``: padded tokens under ``cost="padded"``, a
+      [`TimeCost`][evenflow.planning.timecost.TimeCost] (``None``: padded tokens under ``cost="padded"``, a
       per-sequence ``L + L^2 / 24,576`` summed over each pack under ``cost="summed"``, NOTE [ The default time
       cost ]); ``TimeCost.from_model(model.config)`` counts a model's FLOPs, ``evenflow profile`` prints it. With
       ``grad_accum_steps > 1`` each micro-batch is balanced, which balances the step too (NOTE [ Packed steps
@@ -162,8 +175,9 @@ class DynamicBatchLoader:
 
     - ``grad_accum_steps``: micro-batches per optimizer step; ``loss_scale`` spans the whole window (and the
       default policy orders a round's steps for it: NOTE [ Round order ]).
-    - ``loss_tokens``: :class:`~evenflow.LossTokenRule` -- which labels count as supervised (shift, ignore index).
-    - ``usage_check``: ``"taken"`` (default) raises :class:`~evenflow.errors.StepInfoMisuse` a few
+    - ``loss_tokens``: [`LossTokenRule`][evenflow.LossTokenRule] -- which labels count as supervised (shift, ignore
+      index).
+    - ``usage_check``: ``"taken"`` (default) raises [`StepInfoMisuse`][evenflow.errors.StepInfoMisuse] a few
       fetches after a batch whose StepInfo was never popped; ``"scaled"`` also requires ``scale_loss`` (or
       ``info.mark_scaled()``); ``"off"`` disables the check (NOTE [ Misuse is loud ]).
 
@@ -183,6 +197,11 @@ class DynamicBatchLoader:
 
     - ``process_group``: the gloo group for the metadata exchange (default: a new gloo group over the world).
     - ``timeout``: bound on every metadata exchange; a dead peer makes this rank raise after it.
+    - ``mesh``, ``dp_dims``, ``cp_dim`` / ``sp_dim``, ``parallelism_config``: a ``DeviceMesh`` (or accelerate's
+      ``ParallelismConfig``) with context- or sequence-parallel ranks (evenflow.runtime.mesh): the loader plans
+      over the data-parallel dims, every CP/SP peer gets the same shard-ready batch (checked every batch), the
+      budget is per data-parallel group, and ``StepInfo`` counts the loss over the whole mesh. Split a batch
+      with [`evenflow.shard_batch()`][evenflow.shard_batch] (docs/long-context.md).
     """
 
     def __init__(self, dataset: Dataset, *,
@@ -190,7 +209,7 @@ class DynamicBatchLoader:
                  token_budget: int, cost: CostModel = "padded", max_samples: int | None = None,
                  extra_budgets: Mapping[str, int] | None = None, oversize: OversizePolicy = "error",
                  pad_to_multiple_of: int | None = None, length_fn: Callable | None = None,
-                 resources_fn: Callable | None = None,
+                 resources_fn: Callable | None = None, max_encoder_rows: int | None = None,
                  # how a batch is built
                  collate_fn: Callable | None = None, pad_token_id: int = 0, idle_sample: Mapping | None = None,
                  # the epoch
@@ -209,21 +228,33 @@ class DynamicBatchLoader:
                  worker_init_fn: Callable | None = None, worker_timeout: timedelta = timedelta(minutes=4),
                  # the ranks
                  process_group: object | None = None, timeout: timedelta = timedelta(minutes=5),
+                 mesh: object = None, dp_dims: str | Sequence[str] | None = None, cp_dim: str | None = None,
+                 sp_dim: str | None = None, parallelism_config: object = None,
                  **unknown: object) -> None:
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
+        self.mesh = resolve_mesh(mesh=mesh, parallelism_config=parallelism_config, dp_dims=dp_dims, cp_dim=cp_dim,
+                                 sp_dim=sp_dim, process_group=process_group, timeout=timeout)
+        """Where this rank sits on the mesh (``MeshPlacement``; ``None`` without ``mesh=``): ``shard_batch``'s
+        argument."""
+        shard = None if self.mesh is None else self.mesh.layout
+        process_group = process_group if self.mesh is None else self.mesh.dp_group
+        length_fn, lengths = shard_length_fn(length_fn, shard), shard_lengths(lengths, shard)
+        extra_budgets = _encoder_budgets(extra_budgets, max_encoder_rows)
+        resources_fn = _media_resources_fn(resources_fn, extra_budgets, derive=max_encoder_rows is not None)
         self.config = _loader_config(
             token_budget=token_budget, cost=cost, max_samples=max_samples, extra_budgets=extra_budgets,
             oversize=oversize, pad_to_multiple_of=pad_to_multiple_of, join=join,
             max_steps_per_round=max_steps_per_round, max_wait_rounds=max_wait_rounds, buffer_size=buffer_size,
             seed=seed, shuffle=shuffle, depth=depth, grad_accum_steps=grad_accum_steps, loss_tokens=loss_tokens,
             timeout=timeout, balance=balance, planning=planning, planning_group=planning_group,
-            time_cost=time_cost)
+            time_cost=time_cost, shard=shard)
         _check_workers(num_workers, worker_timeout, timeout)
         self.worker_timeout = worker_timeout
         self.num_workers = num_workers
         self.dataset = dataset
-        self.collate_fn = _default_collate(cost, pad_token_id, pad_to_multiple_of) if collate_fn is None else collate_fn
+        self.collate_fn = (_default_collate(cost, pad_token_id, pad_to_multiple_of, shard) if collate_fn is None
+                           else collate_fn)
         # The default collates build what the planner costs: a larger batch is a length_fn that under-reports.
         self._check_batch = default_batch_check(self.config.grouping) if collate_fn is None else None
         self.spec = SampleSpec(length_fn=length_fn, resources_fn=resources_fn,
@@ -252,6 +283,7 @@ class DynamicBatchLoader:
             raise ValueError(f"shard_check must be True or False, got {shard_check!r}")
         self.shard_check = shard_check
         self._content: ContentPrint | None = None  # NOTE [ Sharding mistakes ]: read once per loader, on demand
+        self._data_print: ResumePrint | None = None  # NOTE [ The resume fingerprint ]: likewise
         # Iterable streams: the unsplit-stream check, run once per loader (NOTE [ Sharding mistakes ]).
         self._stream_check = (StreamCheck(window_size(self.config.alignment.buffer_size), self.world_size)
                               if self.streams.iterable and shard_check and self.world_size > 1 else None)
@@ -263,11 +295,28 @@ class DynamicBatchLoader:
         """Samples (and bytes) this rank sent to peers: under ``planning="global"`` or ``balance=True`` a sample
         may train on another rank (NOTE [ Moved samples ] in evenflow/runtime/transfer.py)."""
         self._usage = UsageTracker(usage_check, lag=grad_accum_steps + 1)  # NOTE [ Misuse is loud ]
+        self._agreement = PeerAgreement(self.mesh) if self.mesh and len(self.mesh.peer_ranks) > 1 else None
+        self.terms = LoaderTerms(max_encoder_rows=extra_budgets.get("num_patches"),
+                                 timeout_s=timeout.total_seconds())
+        """What a step consuming these batches must agree with; every StepInfo carries it (``loader_terms``)."""
+        self._step_prefetch: StepPrefetch | None = None  # NOTE [ Per-step prefetch ] in prefetch.py
+
+    def set_step_prefetch(self, prefetch: StepPrefetch | None) -> None:
+        """Run ``prefetch(batch, info, group)`` on the collation thread for every batch, before it is handed over
+        -- step s+1's while step s trains -- with ``group`` this loader's gloo group (NOTE [ Per-step prefetch ]
+        in evenflow/runtime/prefetch.py). Set it on every rank, before an epoch starts; ``None`` removes it.
+        A layer above registers it (``BalancedVLM.prefetch_from(loader)``)."""
+        check_prefetch(prefetch)
+        if self._pipeline is not None and self._pipeline.is_alive():
+            raise RuntimeError("set_step_prefetch while an epoch is running: set it before iterating the loader, "
+                               "on every rank (its collectives must start at the same step everywhere)")
+        self._step_prefetch = prefetch
 
     def _init_state(self) -> None:
         """The state of epochs, resume and quota-mode carry: every private attribute they change, set once here."""
         self._epoch = 0
         self._pending_state: dict | None = None
+        self._refused: ValueError | None = None  # a state load_state_dict refused, not yet reported to peers
         self._carry: list = []            # quota mode: keys carried into the current epoch (map-style)
         self._next_carry: list = []       # quota mode: keys the finished epoch leaves for the next one
         self._consumed: set = set()       # keys of completed accumulation windows, this epoch
@@ -297,13 +346,17 @@ class DynamicBatchLoader:
         """Reshuffle for ``epoch`` (map-style) and call ``dataset.set_epoch`` when the dataset has one.
 
         After ``load_state_dict``, an epoch other than the one the state resumes would discard it (the rest of
-        its epoch, or a quota-mode carry): refused, unless ``discard_resumed=True``.
+        its epoch, or a quota-mode carry): refused on every rank alike, unless ``discard_resumed=True``, which
+        drops the loaded state for any ``epoch`` (the saved one too: it then starts from its beginning, nothing
+        carried -- the way past a state that does not fit the data, e.g. another stream).
         """
         state = self._pending_state
         lost = None if state is None else discarded(state, epoch)
         if lost is not None and not discard_resumed:
             raise ValueError(f"evenflow: rank {self.rank}: {lost}")
-        if state is not None and epoch != state["epoch"]:
+        if state is not None and discard_resumed:
+            self._pending_state, self._carry, self._next_carry, self._finished = None, [], [], False
+        elif state is not None and epoch != state["epoch"]:
             if state["finished"] and epoch == state["epoch"] + 1:
                 self._next_carry, self._finished = list(state["next_carry"]), True
             self._pending_state = None
@@ -320,11 +373,14 @@ class DynamicBatchLoader:
                 self._usage.check(self.rank)
                 kind, *payload = self._handoff.get(self._pipeline.is_alive, self._steps_done)
                 if kind == "batch":
-                    release: Release = payload[0]
+                    release: Release = mesh_release(payload[0], self.mesh)  # NOTE [ Loss scale ]: over DP x CP
+                    self._agree(release.info, release.batch)
+                    release.info.set_loader_terms(self.terms)
                     self._on_yield(release)
                     self._usage.handed_out(release.info)
                     yield release.batch
                 elif kind == "end":
+                    self._agree(None, None)
                     self._finish_epoch()
                     return
                 else:  # "stopped": this rank's own stop or error round
@@ -336,7 +392,7 @@ class DynamicBatchLoader:
         """Upper bound on this epoch's steps, identical on every rank; tightens as the epoch runs.
 
         Trainers must stop on exhaustion, not on ``len``: the exact count depends on lengths not yet seen --
-        unless they were given (``lengths=``): then it is the epoch's exact count (:meth:`planned_steps`).
+        unless they were given (``lengths=``): then it is the epoch's exact count ([`planned_steps()`][planned_steps]).
         """
         planned = self.planned_steps()
         if planned is not None:
@@ -358,7 +414,7 @@ class DynamicBatchLoader:
         """Exact batches per rank of ``epoch`` (default: the current one) from ``lengths=``, before it starts.
 
         ``None`` without ``lengths``, for a configuration the planner cannot replay (see
-        :func:`evenflow.runtime.epoch_plan.plan_coverage`), or for an epoch resumed mid-way from a state. Identical
+        `evenflow.runtime.epoch_plan.plan_coverage()`), or for an epoch resumed mid-way from a state. Identical
         on every rank; computed once per epoch (NOTE [ The planned epoch length ]).
         """
         if self._lengths is None:
@@ -371,16 +427,24 @@ class DynamicBatchLoader:
         return self.fresh_planned_steps(epoch)
 
     def fresh_planned_steps(self, epoch: int) -> int | None:
-        """:meth:`planned_steps` of ``epoch`` run from its start, resumed or not (a schedule's horizon)."""
+        """[`planned_steps()`][planned_steps] of ``epoch`` run from its start, resumed or not (a schedule's horizon)."""
         return None if self._lengths is None else self._lengths.steps(epoch)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Stop the current epoch on every rank (coordinated through the protocol) and release workers.
 
-        ``exc``: the exception that ends training on this rank; peers then raise :class:`evenflow.PeerError`
-        naming it instead of :class:`evenflow.PeerStopped` (NOTE [ Faults in the round sequence ]). Call it
+        ``exc``: the exception that ends training on this rank; peers then raise
+        [`evenflow.PeerError`][evenflow.PeerError] naming it instead of [`evenflow.PeerStopped`][evenflow.PeerStopped]
+        (NOTE [ Faults in the round sequence ]). Call it
         while the loop's iterator is still open (inside the loop's ``except``), or use ``with loader:``.
         """
+        refused, self._refused = self._refused, None
+        if refused is not None and self._pipeline is None:
+            # load_state_dict refused a state on this rank only (its own copy of the data, another rank's state):
+            # peers that resumed wait in their epoch's first exchange. One round reporting the refusal -- here, or
+            # from the exit hook when the refusal ends the script -- makes them raise PeerError naming it.
+            self._start_epoch(refusal=refused)
+            self._pipeline.join(self.config.timeout.total_seconds() + _JOIN_MARGIN_S)
         self._stop_epoch(exc)
         self._iterable_stream = None
 
@@ -419,12 +483,13 @@ class DynamicBatchLoader:
             "next_carry": list(self._next_carry),
             "consumed": sorted(self._consumed, key=key_order),
             "stream": None if self._stream is None else list(self._stream),
-            "content": self._window.fingerprint() if self.streams.iterable else self._content_print().value,
+            "content": self._window.fingerprint() if self.streams.iterable else None,
             "config": config_values(self.config),
+            "data": None if self.streams.iterable else self._resume_print().as_state(),
         }
 
     def load_state_dict(self, state: Mapping | Sequence[Mapping]) -> None:
-        """Resume from :meth:`state_dict`. The next ``iter()`` continues that epoch. Not collective.
+        """Resume from [`state_dict()`][state_dict]. The next ``iter()`` continues that epoch. Not collective.
 
         ``state``: this rank's own state (the same number of ranks resumes, each rank its own epoch), or the
         list of *every* saved rank's state, which every rank passes alike: on the same number of ranks each
@@ -432,18 +497,30 @@ class DynamicBatchLoader:
         identically on each (map-style datasets; NOTE [ Re-dealing a resumed epoch ] in
         evenflow.runtime.redeal). An ``IterableDataset`` resumes on another number of ranks only from a state
         saved at an epoch end: its stream positions belong to the rank that read them.
+
+        A refusal raises on this rank; if the refusal is this rank's alone and the script ends on it (or calls
+        [`close()`][close]), one round reports it, so peers that resumed raise
+        [`evenflow.PeerError`][evenflow.PeerError] naming it instead of waiting for ``timeout``.
         """
-        state = resume_state(state, ResumeContext(
-            config=self.config, world_size=self.world_size, rank=self.rank, dataset=self.dataset,
-            iterable=self.streams.iterable, num_workers=self.num_workers, content=lambda: self._content_print().value))
+        try:
+            state = resume_state(state, ResumeContext(
+                config=self.config, world_size=self.world_size, rank=self.rank, dataset=self.dataset,
+                iterable=self.streams.iterable, num_workers=self.num_workers,
+                content=lambda: self._content_print().value, data=self._resume_print))
+        except ValueError as exc:  # reported to peers if this rank closes or exits without iterating (close())
+            self._refused = exc
+            close_at_exit(self)
+            raise
+        self._refused = None
         self._stop_epoch()
         self._pending_state = dict(state)
         self._epoch = state["epoch"]
         self._bound = -1
 
     # -- epoch lifecycle -----------------------------------------------------------------------------------
-    def _start_epoch(self) -> None:
+    def _start_epoch(self, refusal: BaseException | None = None) -> None:
         self._stop_epoch()
+        self._refused = None  # iterated: the first exchange compares every rank's resumed state itself
         self._usage.reset()
         self._passes += 1
         carry, consumed = self._begin_state()
@@ -459,11 +536,16 @@ class DynamicBatchLoader:
         # (workers start at the stream's first sample, on the collation thread's helper: source.py).
         error, stream, total, skip = None, None, 0, frozenset()
         try:
+            if refusal is not None:  # close() after a refused load_state_dict: this round only reports it
+                raise refusal
             stream, total, skip = self._open_stream(carry, consumed, keep_planner)
+            stream = unpadded(stream)  # a processor's padding costs and trains nothing (evenflow.runtime.samples)
             if not self.streams.iterable and self.shard_check and self.world_size > 1:
                 unstable = self._content_print().error(self.rank)  # NOTE [ Sharding mistakes ]
                 if unstable is not None:
                     raise unstable
+                if (note := self._content_print().warning(self.rank)) is not None:
+                    warnings.warn(note, stacklevel=2)  # nothing to compare: never a silent pass
         except Exception as exc:  # noqa: BLE001 - reported to every rank (NOTE [ Faults in the round sequence ])
             error = exc
         self._handoff = Handoff(self.rank)
@@ -476,7 +558,8 @@ class DynamicBatchLoader:
             planning_check=self._planning.check, key_at=self._key_at, report_fields=self._report_fields(),
             error=error, describe_fetch_error=partial(_fetch_error, rank=self.rank, worker_timeout=self.worker_timeout),
             call_limit=self._call_limit(), workers=self.num_workers > 0, dead_workers=self.streams.dead_workers,
-            check_batch=self._check_batch, stream_check=self._stream_check)
+            check_batch=self._check_batch, stream_check=self._stream_check,
+            prefetch=bind_prefetch(self._step_prefetch, self.topology.group, self.terms))
         self._pipeline.start()
         close_at_exit(self)  # an epoch still open at exit is closed before finalization (NOTE [ Exit-time teardown ])
 
@@ -535,10 +618,20 @@ class DynamicBatchLoader:
         return dict(epoch=self._epoch, data=config_fingerprint(kind), resume=self._resume, pid=os.getpid(),
                     host=_HOST, content=content)
 
+    def _resume_print(self, reads: int | None = None) -> ResumePrint:
+        """This map-style dataset's resume fingerprint (NOTE [ The resume fingerprint ] in resume_print.py): read
+        once per loader, when it saves its first state or loads one (``reads``: the items that state read)."""
+        cached = self._data_print
+        if cached is None or (reads is not None and cached.reads != reads):
+            planned = self._lengths
+            lengths = None if planned is None else [planned.tokens, *(planned.extra[k] for k in sorted(planned.extra))]
+            self._data_print = resume_print(self.dataset, lengths, self._call_limit().total_seconds(), reads=reads)
+        return self._data_print
+
     def _content_print(self) -> ContentPrint:
         """A few items' token content, equal on every rank iff the ranks hold the same dataset (NOTE [ Sharding
         mistakes ] in shard_check.py); read once per loader, when peers compare it or a state records it, within
-        ``worker_timeout`` (past it: not compared)."""
+        ``worker_timeout`` a read (past it: refused)."""
         if self._content is None:
             self._content = content_print(self.dataset, self._call_limit().total_seconds())
         return self._content
@@ -554,6 +647,15 @@ class DynamicBatchLoader:
             self._consumed.update(self._window_keys)
             self._window_keys = []
             self._committed = self._steps_done
+
+    def _agree(self, info: StepInfo | None, batch: object) -> None:
+        """CP/SP peers must hold the same batch (or all end): one small all-gather over them, refused on each."""
+        if self._agreement is None:
+            return
+        exc = self._agreement.check(info, batch, self._epoch)
+        if exc is not None:
+            self._stop_epoch(exc)
+            raise exc
 
     def _check_planned(self, info: StepInfo) -> None:
         """A planned epoch: a batch measured at other lengths than ``lengths=`` gave is this rank's error, and it

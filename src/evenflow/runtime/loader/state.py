@@ -6,25 +6,29 @@ every saved rank's state (any world size: at another one, the untrained remainde
 [ Re-dealing a resumed epoch ] in evenflow.runtime.redeal). Refused in the order a user hits the problem,
 each time naming the fix: something that is not a state (a path, a trainer's checkpoint file, a wrapper
 holding the states), a state of another evenflow release (``version``), a malformed one
-(:func:`~evenflow.runtime.resume.check_schema`), a list that is not one checkpoint (a rank missing or twice,
-different steps, epochs, budgets or configurations: :func:`~evenflow.runtime.redeal.check_world`), another
+([`check_schema()`][evenflow.runtime.resume.check_schema]), a list that is not one checkpoint (a rank missing or twice,
+different steps, epochs, budgets or configurations: [`check_world()`][evenflow.runtime.redeal.check_world]), another
 ``token_budget`` or configuration (the fingerprint; the ``config`` a state carries names the argument that
 changed and both values), another dataset (its sample count, then its token content: NOTE [ Sharding mistakes ]
-in evenflow.runtime.shard_check), keys a saved epoch never held (:func:`~evenflow.runtime.resume.validate_state`),
-an IterableDataset in quota mode stopped mid-stream, and an IterableDataset stopped mid-epoch resumed on another
-number of ranks. The loader changes nothing before every check passed.
+in evenflow.runtime.shard_check), keys a saved epoch never held
+([`validate_state()`][evenflow.runtime.resume.validate_state]), an IterableDataset in quota mode stopped mid-stream, and
+an IterableDataset stopped mid-epoch resumed on another number of ranks. The loader changes nothing before every check
+passed.
 
-What is fingerprinted (``content``): for a map-style dataset, the token content (``input_ids`` and ``labels``,
-in full) of ``PICKS`` items spread over it, read twice (None when they change between reads: then only the
-sample count is compared); for an IterableDataset, the token content of the first ``PICKS`` samples of the
+What is fingerprinted: for a map-style dataset (``data``), the token content of ``READS`` items spread over it
+and, with ``lengths=``, every sample's length in index order (NOTE [ The resume fingerprint ] in
+evenflow.runtime.resume_print: a reordered dataset is refused too; a part that could not be taken is not
+compared, and the resume warns naming why); a version-4 state's ``content`` (8 items) is compared as it was.
+For an IterableDataset (``content``), the token content of the first ``PICKS`` samples of the
 saved epoch's stream on that rank, checked when the resumed epoch re-reads them (its first round: a different
 stream is refused on every rank; a state saved at an epoch end is not checked -- its next epoch is a new
 pass). A state saved at e25fa43 (version 3) has neither ``content`` nor ``config``: it loads, its dataset
 compared by sample count only, and a changed configuration is refused as before, without naming the argument.
 
 ``set_epoch`` after loading a state: an epoch other than the saved one would discard what the state resumes
-(the rest of its epoch, or a quota-mode carry): refused (:func:`discarded`) unless
-``set_epoch(e, discard_resumed=True)``.
+(the rest of its epoch, or a quota-mode carry): refused on every rank alike ([`discarded()`][discarded]) unless
+``set_epoch(e, discard_resumed=True)``, which drops the state for any ``e``, the saved epoch included (that epoch
+then starts afresh, nothing carried).
 
 What may change on resume is the job shape: the world size, the policy ``planning="auto"`` resolves to, and
 the default ``planning_group``. A state is compared with the fingerprint this loader's own arguments give *at
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,16 +50,18 @@ from ...planning.timecost import TimeCost
 from ..planning import default_planning_group, resolve_planning
 from ..shard_check import PICKS
 from ..redeal import check_world, redeal
+from ..resume_print import ResumePrint, compare_prints
 from ..resume import check_schema, validate_state
 from ..source import shard_indices
 from .config import LoaderConfig
 
 __all__ = ["STATE_VERSION", "ResumeContext", "resume_state", "shape_at", "config_values", "discarded"]
 
-STATE_VERSION = 4
-"""4 added ``content`` and ``config`` (read as None from versions 2 and 3); 3 added ``stream`` (a re-dealt
-epoch's keys; version-2 states are read as ``stream=None``)."""
-_READABLE = (2, 3, 4)
+STATE_VERSION = 5
+"""5 added ``data`` (a map-style dataset's resume fingerprint; read as None from earlier versions); 4 added
+``content`` and ``config`` (read as None from versions 2 and 3); 3 added ``stream`` (a re-dealt epoch's keys;
+version-2 states are read as ``stream=None``)."""
+_READABLE = (2, 3, 4, 5)
 
 
 def _fingerprint(config: LoaderConfig, world_size: int, planning: str, planning_group: int) -> int:
@@ -62,12 +69,15 @@ def _fingerprint(config: LoaderConfig, world_size: int, planning: str, planning_
 
     The time cost counts where it plans (``planning="global"``) and differs from ``TimeCost()``, the cost every
     loader planned with before ``time_cost=`` existed: a state saved then has the same fingerprint as one
-    saved with ``time_cost=TimeCost()`` now (:func:`_check_config` names that argument when it is needed)."""
+    saved with ``time_cost=TimeCost()`` now ([`_check_config()`][_check_config] names that argument when it is
+    needed)."""
     parts = (config.grouping, config.alignment, config.seed, config.shuffle, config.grad_accum_steps,
              config.loss_tokens, config.balance, world_size, planning, planning_group)
     time_cost = config.planning_time_cost
     if planning == "global" and time_cost != TimeCost():
         parts += (time_cost.key(),)
+    if config.shard is not None:  # another CP/SP split pads documents otherwise: other batches
+        parts += (config.shard.style, config.shard.degree)
     return config_fingerprint(*parts)
 
 
@@ -81,7 +91,8 @@ def config_values(config: LoaderConfig) -> dict:
             "seed": config.seed, "shuffle": config.shuffle, "grad_accum_steps": config.grad_accum_steps,
             "loss_tokens": dataclasses.asdict(config.loss_tokens), "balance": config.balance,
             "planning": config.planning, "planning_group": config.planning_group,
-            "time_cost": None if config.time_cost is None else config.time_cost.describe()}
+            "time_cost": None if config.time_cost is None else config.time_cost.describe(),
+            "mesh": None if config.shard is None else f"{config.shard.style} over {config.shard.degree} ranks"}
 
 
 def _changes(saved: Mapping, now: Mapping) -> list[str]:
@@ -97,7 +108,7 @@ def _plain(value: object) -> object:
 
 def shape_at(config: LoaderConfig, world_size: int) -> tuple[str, int]:
     """(policy, planning group) this configuration runs at ``world_size`` (``"auto"`` and the default group
-    resolved there, as :func:`~evenflow.runtime.planning.setup_planning` does)."""
+    resolved there, as [`setup_planning()`][evenflow.runtime.planning.setup_planning] does)."""
     policy = resolve_planning(config.planning, world_size, balance=config.balance,
                               planning_group=config.planning_group)
     group = default_planning_group(world_size) if config.planning_group is None else config.planning_group
@@ -115,7 +126,10 @@ class ResumeContext:
     iterable: bool
     num_workers: int
     content: Callable[[], int | None] = lambda: None
-    """This loader's data fingerprint (map-style: read on demand, once per loader; NOTE [ Sharding mistakes ])."""
+    """This loader's 8-item data fingerprint (a version-4 state's ``content``; NOTE [ Sharding mistakes ])."""
+    data: Callable[[int | None], ResumePrint | None] = lambda reads: None
+    """This loader's resume fingerprint over the first ``reads`` items a state read (map-style: read on demand,
+    once per loader; NOTE [ The resume fingerprint ])."""
 
     def fingerprint_at(self, world_size: int) -> int:
         return _fingerprint(self.config, world_size, *shape_at(self.config, world_size))
@@ -195,7 +209,9 @@ def _as_state(obj: object, where: str = "") -> dict:
     if version == 2 and "stream" not in state:
         state.update(stream=None)
     if version in (2, 3):  # e25fa43 and earlier: no content fingerprint, no named configuration
-        state.update(version=STATE_VERSION, content=state.get("content"), config=state.get("config"))
+        state.update(content=state.get("content"), config=state.get("config"))
+    if version in (2, 3, 4):
+        state.update(version=STATE_VERSION, data=state.get("data"))
     check_schema(state)  # fields and types first: the checks below read them
     return state
 
@@ -246,7 +262,8 @@ def _check_config(state: Mapping, ctx: ResumeContext) -> None:
 
 
 def _validated(state: Mapping, ctx: ResumeContext) -> dict:
-    """The normalized copy of ``state`` (:func:`~evenflow.runtime.resume.validate_state`), once it fits the data."""
+    """The normalized copy of ``state`` ([`validate_state()`][evenflow.runtime.resume.validate_state]), once it fits the
+    data."""
     dataset, iterable = ctx.dataset, ctx.iterable
     if not iterable and state["num_samples"] != len(dataset):
         raise ValueError(f"cannot resume: the dataset had {state['num_samples']} samples, now {len(dataset)}; "
@@ -260,6 +277,15 @@ def _validated(state: Mapping, ctx: ResumeContext) -> dict:
                 f"differs (saved fingerprint {state['content']}, this dataset's {now}). Its indices would name other "
                 "samples: some would train twice, others never. Resume with the saved dataset (same samples, order and "
                 "tokenization), or start the epoch afresh without the state")
+    if not iterable and state["data"] is not None:  # NOTE [ The resume fingerprint ]
+        saved = state["data"]
+        reads = saved.get("reads") if isinstance(saved, Mapping) else None
+        now = ctx.data(reads if isinstance(reads, int) and not isinstance(reads, bool) and reads >= 0 else None)
+        refusal, warning = compare_prints(saved, now, rank=ctx.rank, n=len(dataset))
+        if refusal is not None:
+            raise refusal
+        if warning:
+            warnings.warn(warning, stacklevel=4)
     shard = None
     if not iterable:  # what the saved epoch held: its re-dealt stream, else its shard (consumed keys come from it)
         shard = state["stream"] if state["stream"] is not None else shard_indices(
@@ -276,14 +302,22 @@ def _validated(state: Mapping, ctx: ResumeContext) -> dict:
 
 def discarded(state: Mapping, epoch: int) -> str | None:
     """What ``set_epoch(epoch)`` would discard of a loaded, not yet started ``state`` (None: nothing): the rest of
-    its epoch, or the samples a finished quota-mode epoch carries into the next one."""
+    its epoch, or the samples a finished quota-mode epoch carries into the next one.
+
+    Decided on the facts every rank's state of one checkpoint shares (``epoch``, ``finished``, ``join``: the first
+    exchange refuses states that differ there), never on what this rank alone holds: a quota-mode carry is one
+    rank's (rank 0 may carry 9 samples and rank 1 none), and a refusal on the carrying rank only would leave its
+    peers waiting in the epoch's first exchange. So ``set_epoch`` refuses on every rank alike, or on none."""
     saved = state["epoch"]
-    if epoch == saved or (state["finished"] and (epoch == saved + 1 or not state["next_carry"])):
+    if epoch == saved or (state["finished"] and (state["join"] or epoch == saved + 1)):
         return None
-    what = (f"{len(state['next_carry'])} samples that epoch {saved} carries into epoch {saved + 1} (quota mode)"
-            if state["finished"] else
-            f"rest of epoch {saved}, which it resumes (saved at step {state['step']}; this rank had trained "
-            f"{len(state['consumed'])} of its samples): the others would never train")
+    if state["finished"]:
+        mine = len(state["next_carry"])
+        what = (f"samples that epoch {saved} carries into epoch {saved + 1} (quota mode): this rank carries {mine}"
+                + ("" if mine else ", but a peer's state may carry some, and every rank refuses alike"))
+    else:
+        what = (f"rest of epoch {saved}, which it resumes (saved at step {state['step']}; this rank had trained "
+                f"{len(state['consumed'])} of its samples): the others would never train")
     then = "" if state["finished"] else f", and set_epoch({saved + 1}) once it ends"
     return (f"set_epoch({epoch}) after load_state_dict would discard the loaded state's {what}. To resume, call "
             f"set_epoch({saved + 1 if state['finished'] else saved}){then} (LoaderCheckpoint.start_epoch gives it); "
