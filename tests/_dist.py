@@ -114,3 +114,15 @@ def run_session(cmd: Sequence[str], *, timeout: float, what: str, stderr: int = 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def scenario_results(world, name: str) -> list:
+    """Every rank's result of scenario ``name`` in a shared world (a list of per-rank dicts of results); a rank
+    whose scenario raised fails the test with that rank's traceback."""
+    import pytest
+
+    res = [r[name] for r in world]
+    for r, value in enumerate(res):
+        if isinstance(value, dict) and "error" in value:
+            pytest.fail(f"scenario {name} failed on rank {r}:\n{value['error']}")
+    return res

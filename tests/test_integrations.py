@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import integration_scenarios as sc
-from _dist import run_world
+from _dist import run_world, scenario_results as _results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,12 +75,6 @@ def world(tmp_path_factory):
     return run_world(_world_body, 2, _scenarios(out_dir), timeout=420, pg_timeout_s=120)
 
 
-def _results(world, name):
-    res = [r[name] for r in world]
-    for r, value in enumerate(res):
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"scenario {name} failed on rank {r}:\n{value['error']}")
-    return res
 
 
 # -- references -------------------------------------------------------------------------------------------------

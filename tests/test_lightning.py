@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("lightning", "transformers")),
                                  reason="needs the 'lightning' extra: pip install 'evenflow[lightning]'")]
 
+from _dist import scenario_results as _results  # noqa: E402
+
 REL = 1e-6  # logged values pass through float32 in Lightning's logger path
 
 
@@ -29,12 +31,6 @@ def world(tmp_path_factory):
     return run_world(lightning_scenarios.world_body, 2, out_dir, timeout=300, pg_timeout_s=120)
 
 
-def _results(world, name):
-    res = [r[name] for r in world]
-    for r, value in enumerate(res):
-        if "error" in value:
-            pytest.fail(f"scenario {name} failed on rank {r}:\n{value['error']}")
-    return res
 
 
 def test_progress_bar_total_is_the_step_bound_and_validation_still_runs(world):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import vlm_scenarios as sc
-from _dist import RankFailed, run_world
+from _dist import RankFailed, run_world, scenario_results as _ok
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -205,12 +205,6 @@ def world(tmp_path_factory):
     return [*results[:1], {**torch.load(saved, weights_only=False), "died": results[1]}, *results[2:]]
 
 
-def _ok(world, name) -> list[dict]:
-    res = [r[name] for r in world]
-    for r, value in enumerate(res):
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"scenario {name} failed on rank {r}:\n{value['error']}")
-    return res
 
 
 def _assert_exact(world, name, tol):

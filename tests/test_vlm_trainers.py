@@ -20,7 +20,7 @@ import traceback
 import pytest
 import torch
 
-from _dist import run_world
+from _dist import run_world, scenario_results as _ok
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -263,12 +263,6 @@ def _check_exact(res: list[dict], windows: list[list[int]]) -> None:
         assert all(key in e for e in logged), (key, logged)
 
 
-def _ok(world, name) -> list[dict]:
-    res = [r[name] for r in world]
-    for r, value in enumerate(res):
-        if "error" in value:
-            pytest.fail(f"{name} failed on rank {r}:\n{value['error']}")
-    return res
 
 
 def test_trl_vision_sft_packed_trains_exactly_the_stock_models_gradients(world):
