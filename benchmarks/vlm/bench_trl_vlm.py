@@ -5,8 +5,8 @@ Run:  python benchmarks/vlm/bench_trl_vlm.py [--rounds 6] [--samples 60] [--quic
 Data: chitchat exchanges (``evenflow.data.chitchat_conversations``) in TRL's VLM format (``messages`` +
 ``images``): a third text-only, the rest with one or two scikit-image photos of varied sizes; a held-out tenth.
 The processor is a Qwen2-VL processor built offline (tests/_processor.py: the Qwen3 tokenizer, the Pillow image
-processor, a Qwen2-VL chat template; no video processor, and TRL's collator has no video either, so videos are
-out of this comparison). The model: the stock ``Qwen2VLForConditionalGeneration`` built tiny from its config
+processor, a Qwen2-VL chat template). Videos are out of this comparison: TRL's own VLM path has none (evenflow's
+takes a ``videos`` column; tests/test_vlm_trainers.py trains it exactly), so a side-by-side run holds images only. The model: the stock ``Qwen2VLForConditionalGeneration`` built tiny from its config
 with Qwen's full vocabulary (the same LM head in every arm), seeded, float32.
 
 Arms, each one epoch of ``SFTTrainer`` on 2 gloo ranks, in ABBA order over rounds (the order reversed every
@@ -263,8 +263,8 @@ def run(rounds: int = 6, samples: int = 60, quick: bool = False) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"{res['samples']} chats (a third text-only, the rest 1-2 real photos), 2 gloo ranks, one epoch per "
              f"arm, {res['rounds']} rounds in ABBA order; load average {res['load_before']} before, "
-             f"{res['load_after']} after (a shared machine). Videos are out of this comparison: TRL's vision "
-             "collator has none.", "",
+             f"{res['load_after']} after (a shared machine). Videos are out of this comparison: TRL's own "
+             "VLM path has none.", "",
              "| arm | optimizer steps | padded share | real tokens/s median (min-max) | vision imbalance mean / max "
              "| LLM imbalance mean / max | held-out loss |", "|---|---|---|---|---|---|---|"]
     for arm in ARMS:

@@ -412,6 +412,13 @@ class DynamicBatchTrainer(Trainer):
         if self.eval_token_budget is None:
             return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                     metric_key_prefix=metric_key_prefix)
+        return self._evenflow_evaluate(eval_dataset, metric_key_prefix, self.eval_token_budget, {},
+                                       lambda m, b: _mean_loss(m(**self._model_inputs(b))))
+
+    def _evenflow_evaluate(self, eval_dataset, metric_key_prefix: str, token_budget: int, overrides: dict,
+                           forward) -> dict[str, float]:
+        """``evaluate()``'s evenflow path: ``forward(model, batch)`` (the batch's mean loss) over an
+        ``eval_loader`` of the loader's options with ``overrides``, built once per dataset."""
         key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else id(eval_dataset)
         if isinstance(eval_dataset, str):
             dataset = self.eval_dataset[eval_dataset]
@@ -421,16 +428,20 @@ class DynamicBatchTrainer(Trainer):
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if key not in self._eval_loaders:  # built once per dataset (construction is collective)
             options = {k: v for k, v in self._loader_kwargs().items() if k not in ("seed", "persistent_workers")}
-            self._eval_loaders[key] = eval_loader(dataset, token_budget=self.eval_token_budget, **options)
+            self._eval_loaders[key] = eval_loader(self._eval_samples(dataset), token_budget=token_budget,
+                                                  **{**options, **overrides})
         start = time.time()
-        result = evaluate_loss(self.model, self._eval_loaders[key], device=self.args.device,
-                               forward=lambda m, b: _mean_loss(m(**self._model_inputs(b))))
+        result = evaluate_loss(self.model, self._eval_loaders[key], device=self.args.device, forward=forward)
         p = metric_key_prefix
         metrics = {f"{p}_loss": result["loss"], f"{p}_samples": result["samples"],
                    f"{p}_loss_tokens": result["loss_tokens"], f"{p}_runtime": round(time.time() - start, 4)}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _eval_samples(self, dataset):
+        """The samples an eval loader batches (the TRL vision path processes each one first)."""
+        return dataset
 
 
 # TrainingArguments that size or shape fixed batches; evenflow's token budget replaces them.

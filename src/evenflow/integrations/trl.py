@@ -47,8 +47,13 @@ NOTE [ TRL's vision data, packed ]
     TRL's label mask; a sample alone has no padding), the loader batches the processed samples under
     ``token_budget`` and ``max_encoder_rows``, and ``compute_loss`` is [`BalancedVLM`][evenflow.vlm.BalancedVLM]'s
     (NOTE [ A balanced VLM inside a trainer ] in evenflow.integrations.vlm_trainer): the exact global per-token
-    loss; TRL's ``entropy`` / ``mean_token_accuracy`` are not computed (the step returns no logits). TRL's
-    collator has no videos, so a sample with ``videos`` is refused, naming it.
+    loss; TRL's ``entropy`` / ``mean_token_accuracy`` are not computed (the step returns no logits).
+
+    Videos: TRL's format has none, so evenflow reads them as it reads ``images``: a ``videos`` column (each video
+    a list of frames, an array or a path) and one ``{"type": "video"}`` placeholder per video in the messages.
+    Each placeholder is filled with its video before TRL's collator runs, and the processor's chat template hands
+    them to its video processor (``pixel_values_videos``, ``video_grid_thw``). A dataset with videos and no images
+    is recognized too (TRL sees an empty ``images`` list).
 
 NOTE [ TRL metrics over real tokens ]
     TRL logs the mean over micro-batches of each micro-batch's ratio (entropy sum / supervised tokens of every
@@ -107,7 +112,8 @@ class DynamicBatchSFTTrainer(VLMBalancing, DynamicBatchTrainer, SFTTrainer):
     ``padding_free=True`` or ``cost="summed"``: evenflow packs each micro-batch into one padding-free row of at
     most ``token_budget`` tokens, ``max_length`` still truncating each sample (NOTE [ Packing with TRL ]).
 
-    A vision dataset in TRL's format (``messages`` + ``images``) with a processor as ``processing_class``: every
+    A vision dataset in TRL's format (``messages`` + ``images``, and ``videos`` where it has them, filled into
+    ``{"type": "video"}`` placeholders as TRL fills images) with a processor as ``processing_class``: every
     step is balanced per phase by [`BalancedVLM`][evenflow.vlm.BalancedVLM], packed (``packing=True`` or
     ``padding_free=True``) or padded, each sample processed alone by TRL's own vision collator (NOTE [ TRL's
     vision data, packed ]). ``vlm_config`` / ``warmup``: as
@@ -126,6 +132,12 @@ class DynamicBatchSFTTrainer(VLMBalancing, DynamicBatchTrainer, SFTTrainer):
                 kwargs["args"] = trl_config
             else:
                 args = (args[0], trl_config, *args[2:])
+            if not _is_vision_dataset(dataset, ("image", "images")):
+                # Videos only: TRL recognizes a vision dataset by its images, so it sees an empty list of them.
+                if "train_dataset" in kwargs:
+                    kwargs["train_dataset"] = _with_images(dataset)
+                else:
+                    args = (*args[:3], _with_images(dataset), *args[4:])
             super().__init__(*args, token_budget=token_budget, **kwargs)
             # Each sample through TRL's vision collator alone (a row without padding); evenflow's collate batches.
             self.train_dataset = ProcessedSamples(self.train_dataset, self.data_collator)
@@ -159,6 +171,10 @@ class DynamicBatchSFTTrainer(VLMBalancing, DynamicBatchTrainer, SFTTrainer):
             _check_one_row(self.data_collator, self.train_dataset)
         self._token_sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
         self._metric_tokens = 0
+
+    def _eval_samples(self, dataset):
+        # A vision eval set: each sample through TRL's vision collator alone, as the training samples.
+        return ProcessedSamples(dataset, self.data_collator) if self.vlm_config is not None else dataset
 
     def _model_input_names(self):
         # TRL's compute_loss filters nothing and adds its own kwargs (fused_lm_head, use_cache); its prepared
@@ -233,15 +249,24 @@ class DynamicBatchSFTTrainer(VLMBalancing, DynamicBatchTrainer, SFTTrainer):
         super().log(logs, start_time)
 
 
-def _is_vision_dataset(dataset: Any) -> bool:
-    """TRL's own rule (``SFTTrainer.__init__``): the first sample has an ``image`` or ``images`` key."""
+def _is_vision_dataset(dataset: Any, keys: tuple[str, ...] = ("image", "images", "videos")) -> bool:
+    """TRL's own rule (``SFTTrainer.__init__``): the first sample has an ``image`` or ``images`` key; or, for
+    evenflow, ``videos``."""
     if dataset is None or isinstance(dataset, Mapping):
         return False
     try:
         sample = next(iter(dataset))
     except (StopIteration, TypeError):
         return False
-    return isinstance(sample, Mapping) and ("image" in sample or "images" in sample)
+    return isinstance(sample, Mapping) and any(k in sample for k in keys)
+
+
+def _with_images(dataset: Any) -> Any:
+    """A video dataset as TRL's ``SFTTrainer`` recognizes vision data: an empty ``images`` list in every sample
+    (a column added to a ``datasets.Dataset``, nothing re-encoded; a lazy map of an ``IterableDataset``)."""
+    if hasattr(dataset, "add_column") and hasattr(dataset, "__len__"):
+        return dataset.add_column("images", [[] for _ in range(len(dataset))])
+    return dataset.map(lambda _: {"images": []})
 
 
 def _vision_choice(config: Any, vlm_config: VLMConfig | None, cost: str | None, collator: Any
@@ -294,11 +319,50 @@ class ProcessedSamples:
 
     def __getitem__(self, index: int) -> dict:
         sample = dict(self.dataset[index])
-        if sample.get("videos"):
-            raise ValueError(f"sample {index} has videos, which TRL's vision collator does not process: process "
-                             "the samples yourself (the sample contract in docs/vlm.md) and use BalancedVLMTrainer")
+        videos = sample.pop("videos", None) or []
+        if "image" not in sample:
+            sample.setdefault("images", [])  # TRL's collator reads it; a video-only or text-only sample has none
+        if videos:
+            sample["messages"] = _with_videos(sample.get("messages"), videos, len(sample.get("images") or ()),
+                                              index)
         batch = self.collator([sample])
         return {k: (v[0] if k in self._TOKEN_KEYS else v) for k, v in batch.items()}
+
+
+def _with_videos(messages: Any, videos: list, images: int, index: int) -> list[dict]:
+    """``messages`` with each ``{"type": "video"}`` placeholder holding its entry of ``videos``, in order (NOTE [
+    TRL's vision data, packed ]): the processor's chat template then hands them to its video processor. String
+    content (no placeholders) gets them at the start of the first user turn, after the image placeholders TRL
+    puts there."""
+    if not isinstance(messages, list):
+        raise ValueError(f"sample {index} has videos but no 'messages': videos go with conversational samples "
+                         "({'messages': [...], 'videos': [...]})")
+    for v, video in enumerate(videos):
+        if isinstance(video, (list, tuple)) and video and isinstance(video[0], Mapping) and "bytes" in video[0]:
+            raise ValueError(f"sample {index}'s video {v} holds encoded frames ({{'path', 'bytes'}}), not images: "
+                             "datasets stores a column of frame lists as bytes unless told otherwise; declare it, "
+                             "e.g. dataset.cast_column('videos', datasets.List(datasets.List(datasets.Image())))")
+    out, filled, placed = [], 0, False
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and message.get("role") == "user" and not placed:
+            content = ([{"type": "image"}] * images + [{"type": "video"} for _ in videos]
+                       + [{"type": "text", "text": content}])
+            placed = True
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "video" and not any(k in part for k in ("video", "url", "path")):
+                    if filled < len(videos):
+                        part = {**part, "video": videos[filled]}
+                    filled += 1
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    if filled != len(videos):
+        raise ValueError(f"sample {index} has {len(videos)} videos but {filled} {{'type': 'video'}} placeholders in "
+                         "its messages: put one placeholder where each video goes, in the order of 'videos'")
+    return out
 
 
 def _packing_choice(config: Any, cost: str | None, collator: Any) -> tuple[bool, Any, tuple[int, str] | None]:

@@ -28,15 +28,26 @@ NOTE [ A balanced VLM inside a trainer ]
     Logs. Every training log adds the loader's ``evenflow/*`` metrics (``StepMetrics``) and, per phase, the mean
     over the interval's steps of the plan's max / mean load: ``evenflow/imbalance_<phase>`` (after the plan) and
     ``evenflow/imbalance_<phase>_before`` (where the items were).
+
+NOTE [ Evaluating a balanced VLM ]
+    ``evaluate()`` (and the Trainer's ``eval_strategy``) runs the unwrapped model's stock forward with
+    ``labels=`` on each rank's own padded batches of an evenflow eval loader (``eval_token_budget`` tokens, the
+    training ``token_budget`` when unset; the same ``max_encoder_rows``): every eval sample once, IDLE batches run
+    so sharded models stay in step, each rank's mean weighted by its supervised tokens and summed over ranks, so
+    ``eval_loss`` is the exact per-token mean over the set. Nothing is balanced: no gradients wait on the slowest
+    rank, and a padded batch is what the stock forward takes as it is (a packed VLM row needs M-RoPE positions
+    the balanced step builds). HF's prediction loop (``predict()``, ``compute_metrics``) is not supported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -183,10 +194,20 @@ class VLMBalancing:
             _load_hub_named_weights(self.model, folder)
         self._vlm_setup(folder or None)
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The stock model's exact per-token loss over the eval set (NOTE [ Evaluating a balanced VLM ]), identical
+        on every rank: ``{prefix}_loss``, ``_samples``, ``_loss_tokens``, ``_runtime``. Collective."""
+        if self.vlm_config is None:  # the TRL trainer on text data
+            return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys,
+                                    metric_key_prefix=metric_key_prefix)
+        budget = self.eval_token_budget if self.eval_token_budget is not None else self.token_budget
+        return self._evenflow_evaluate(eval_dataset, metric_key_prefix, budget, {"cost": "padded", "collate_fn": None},
+                                       _stock_mean_loss)
+
     def _vlm_loss(self, model, inputs, return_outputs: bool):
         if STEP_INFO_KEY not in inputs:
-            raise ValueError(f"{type(self).__name__} trains evenflow batches only (each holds its StepInfo); "
-                             "evaluate with eval_token_budget=")
+            raise ValueError(f"{type(self).__name__} trains evenflow batches only (each holds its StepInfo): "
+                             "evaluate() gives the eval loss; predict() and HF's prediction loop are not supported")
         info: StepInfo = inputs[STEP_INFO_KEY]
         step = self.balanced_step(model, {k: v for k, v in inputs.items() if k != STEP_INFO_KEY}, info)
         return (step.loss, None) if return_outputs else step.loss
@@ -202,6 +223,12 @@ class VLMBalancing:
             out[f"evenflow/imbalance_{phase}"] = after / steps
             out[f"evenflow/imbalance_{phase}_before"] = before / steps
         return out
+
+
+def _stock_mean_loss(model, batch) -> torch.Tensor:
+    """The stock forward's own mean loss (``labels=``) on a padded batch: the keys its signature takes."""
+    names = inspect.signature(unwrap_model(model).forward).parameters
+    return model(**{k: v for k, v in batch.items() if k in names}, use_cache=False).loss
 
 
 class BalancedVLMTrainer(VLMBalancing, DynamicBatchTrainer):

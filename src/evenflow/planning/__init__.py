@@ -18,12 +18,12 @@ from .pooled import EpochProgress, GlobalPlanConfig, GlobalRoundPlan, plan_globa
 from .grouping import GroupingConfig, GroupingResult, group_costs, plan, plan_groups
 from .loss import LossTokenRule, count_loss_tokens, loss_scale, step_loss_scales, window_totals
 from .simulate import EpochTrace, SampleMeta, make_planners, run_epoch
-from .timecost import PhaseTime, TimeCost
+from .timecost import PhaseTime, TimeCost, default_time_cost
 
 __all__ = [
     "AlignmentConfig", "Item", "RankPlanner", "RankReport", "RoundDecision", "config_fingerprint", "decide_round",
     "wait_bound", "GroupingConfig", "GroupingResult", "group_costs", "plan", "plan_groups", "LossTokenRule",
     "count_loss_tokens", "loss_scale", "step_loss_scales", "window_totals", "EpochTrace", "SampleMeta",
     "make_planners", "run_epoch", "GlobalPlanConfig", "GlobalRoundPlan", "plan_global_round", "EpochProgress",
-    "PhaseTime", "TimeCost",
+    "PhaseTime", "TimeCost", "default_time_cost",
 ]
