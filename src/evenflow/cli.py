@@ -242,7 +242,8 @@ def _tokenizer_records(records: list, tokenizer: str, template: str | None) -> A
     except (OSError, ValueError) as exc:  # transformers' "not a tokenizer folder" errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CommandError(f"--tokenizer {tokenizer}: cannot load a tokenizer from this folder ({first}); pass a "
-                           "folder saved by tokenizer.save_pretrained (tokenizer.json / tokenizer_config.json)") from None
+                           "folder saved by tokenizer.save_pretrained (tokenizer.json / tokenizer_config.json)"
+                           ) from None
 
 
 def _profile_source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, str]:

@@ -41,7 +41,8 @@ def _order_desc(costs: np.ndarray) -> np.ndarray:
     return np.argsort(-costs.view(np.int64), kind="stable")
 
 
-def _cap_weights(costs: np.ndarray, cap: float | None, cap_weights: Sequence[float] | np.ndarray | None) -> np.ndarray | None:
+def _cap_weights(costs: np.ndarray, cap: float | None,
+                 cap_weights: Sequence[float] | np.ndarray | None) -> np.ndarray | None:
     if cap is None:
         if cap_weights is not None:
             raise ValueError("cap_weights were given without cap; pass cap=<per-rank limit> or drop cap_weights")

@@ -29,8 +29,8 @@ import torch
 from .chat import IGNORE_INDEX, Message, QwenChatTokenizer
 from .deps import require
 
-__all__ = ["ImageChatDataset", "ProcessedImage", "augmented_image", "process_image", "expand_placeholder", "skimage_image_paths",
-           "IMAGE_PLACEHOLDER"]
+__all__ = ["ImageChatDataset", "ProcessedImage", "augmented_image", "process_image", "expand_placeholder",
+           "skimage_image_paths", "IMAGE_PLACEHOLDER"]
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 """What the Qwen2-VL template writes for one image; the single ``<|image_pad|>`` is expanded after tokenizing."""
@@ -129,7 +129,8 @@ class ImageChatDataset(torch.utils.data.Dataset):
 
     def __init__(self, conversations: Sequence[Sequence[Message]], *, num_samples: int | None = None,
                  tokenizer: QwenChatTokenizer | None = None,
-                 image_paths: Sequence[str | os.PathLike[str]] | None = None, scale_range: tuple[float, float] = (0.35, 1.0), min_pixels: int = DEFAULT_MIN_PIXELS,
+                 image_paths: Sequence[str | os.PathLike[str]] | None = None,
+                 scale_range: tuple[float, float] = (0.35, 1.0), min_pixels: int = DEFAULT_MIN_PIXELS,
                  max_pixels: int = DEFAULT_MAX_PIXELS, cutoff: int | None = None, seed: int = 0) -> None:
         if not conversations:
             raise ValueError("conversations is empty: each image needs a chat to pair with")

@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["exchange_samples", "pack_samples", "exchange_packed", "arrival_order", "all_to_all_rows", "exchange_counts", "AllToAllRows"]
+__all__ = ["exchange_samples", "pack_samples", "exchange_packed", "arrival_order", "all_to_all_rows", "exchange_counts",
+           "AllToAllRows"]
 
 ALIGN = 16
 """Byte alignment of every tensor inside a packed buffer, so each can be viewed back as its own dtype."""

@@ -319,7 +319,8 @@ class DynamicBatchTrainer(Trainer):
         return frozenset(named | set(self.label_names) | {"label", "label_ids"} | _PACKING_KEYS)
 
     def _model_inputs(self, inputs: Mapping) -> dict:
-        out = dict(inputs) if self._forward_keys is None else {k: v for k, v in inputs.items() if k in self._forward_keys}
+        keys = self._forward_keys
+        out = dict(inputs) if keys is None else {k: v for k, v in inputs.items() if k in keys}
         if self._takes_use_cache and "position_ids" in out and "attention_mask" not in out and "use_cache" not in out:
             # A packed row from a user collator: without this HF builds a KV cache, skips its packed-sequence
             # detection and lets the sequences attend to each other (NOTE [ Packing and the KV cache ]).

@@ -125,7 +125,8 @@ class StepRebalancer:
             sources.append([src for src, _ in plan[self.rank]])
             owned.append([it.key for it in slots[s]])
             lengths = [[int(table[src, s, j, 0]) for src, j in group] for group in plan]
-            padded[s] = step_costs(lengths, cost=self.grouping.cost, pad_to_multiple_of=self.grouping.pad_to_multiple_of)
+            padded[s] = step_costs(lengths, cost=self.grouping.cost,
+                                   pad_to_multiple_of=self.grouping.pad_to_multiple_of)
         return BalancedRound(new_slots, owned, padded, sources)
 
     def _serialize(self, plans: list, slots: list[Slot]) -> tuple[list, list, BaseException | None, object]:

@@ -138,9 +138,9 @@ def resolve_mesh(*, mesh: object, parallelism_config: object, dp_dims: object, c
         given = sorted(dist.get_process_group_ranks(process_group))
         if given != sorted(mine_dp):
             raise ValueError(f"evenflow: rank {me}: process_group= spans ranks {given} but the mesh's data-parallel "
-                             f"dims {dp} put this rank's data-parallel group at {sorted(mine_dp)}; the loader plans over "
-                             "its data-parallel group, so the two must agree. Drop process_group= (the loader builds "
-                             "it from the mesh) or name the mesh's data-parallel dims with dp_dims=")
+                             f"dims {dp} put this rank's data-parallel group at {sorted(mine_dp)}; the loader plans "
+                             "over its data-parallel group, so the two must agree. Drop process_group= (the loader "
+                             "builds it from the mesh) or name the mesh's data-parallel dims with dp_dims=")
         dp_group = process_group
     else:
         dp_group, _ = dist.new_subgroups_by_enumeration(dp_groups, timeout=timeout, backend="gloo")

@@ -45,8 +45,8 @@ import numpy as np
 from ..planning.alignment import config_fingerprint
 from .shard_check import token_digest
 
-__all__ = ["READS", "STABLE_READS", "MIN_READS", "LENGTHS_READ_S", "READ_S", "ResumePrint", "read_positions", "resume_print",
-           "compare_prints"]
+__all__ = ["READS", "STABLE_READS", "MIN_READS", "LENGTHS_READ_S", "READ_S", "ResumePrint", "read_positions",
+           "resume_print", "compare_prints"]
 
 READS = 256
 """Items whose token content a state records (fewer when the dataset holds fewer)."""

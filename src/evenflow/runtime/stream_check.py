@@ -17,8 +17,8 @@ from ..planning.alignment import NO_VALUE, RankReport, config_fingerprint
 from .shard_check import PICKS, token_digest
 
 __all__ = ["MAX_WINDOW", "FULL_WORLD", "MIN_SKETCH", "MIN_SHARED", "RATIO", "ALPHA", "POS_BITS", "NEIGHBOUR_SHARE",
-           "NEIGHBOUR_MOST", "NEIGHBOUR_ALPHA", "window_size", "StreamWindow", "sketch_width", "sketch", "shared_pairs", "neighbour_pairs",
-           "stream_verdict", "StreamCheck"]
+           "NEIGHBOUR_MOST", "NEIGHBOUR_ALPHA", "window_size", "StreamWindow", "sketch_width", "sketch", "shared_pairs",
+           "neighbour_pairs", "stream_verdict", "StreamCheck"]
 
 MAX_WINDOW = 4096
 """Most samples per rank an iterable stream check digests and gathers (its window is ``min(buffer_size, this)``)."""

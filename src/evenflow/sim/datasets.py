@@ -235,7 +235,8 @@ def _template_and_tokenizer():
     return env.from_string(config["chat_template"]), Tokenizer.from_file(str(d / "tokenizer.json"))
 
 
-def chat_lengths(conversations: Sequence[Sequence[dict]], *, tools: Sequence[object | None] | None = None) -> np.ndarray:
+def chat_lengths(conversations: Sequence[Sequence[dict]], *,
+                 tools: Sequence[object | None] | None = None) -> np.ndarray:
     """Token count of each conversation (a list of ``{"role", "content"}``) rendered by the Qwen3 template."""
     template, tokenizer = _template_and_tokenizer()
     texts = [template.render(messages=list(msgs), tools=(tools[i] if tools else None), add_generation_prompt=False)

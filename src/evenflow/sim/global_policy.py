@@ -46,7 +46,8 @@ class _Buffers:
         held = np.bincount(self.src, minlength=len(self.shards))
         tokens = np.bincount(self.src, weights=self.lengths[self.ids], minlength=len(self.shards))
         warm = self.alignment.warmup_budgets
-        goal_tokens = np.inf if warm is None else (warm + round_index * self.alignment.max_steps_per_round) * self.budget
+        goal_tokens = (np.inf if warm is None
+                       else (warm + round_index * self.alignment.max_steps_per_round) * self.budget)
         new_ids, new_src = [], []
         for r, ids in enumerate(self.shards):
             room = self.alignment.buffer_size - int(held[r])

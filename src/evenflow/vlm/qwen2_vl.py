@@ -144,7 +144,8 @@ class QwenVLAdapter(VLMAdapter):
         """One example's items in placeholder order, each kind's placeholder runs matched to the next item of
         its kind: images, then videos (each kind is merged into its own placeholders)."""
         found = Found(items={PHASE: []}, metas={PHASE: []})
-        for kind, name, token in ((KIND_IMAGE, "image", self.image_token_id), (KIND_VIDEO, "video", self.video_token_id)):
+        kinds = ((KIND_IMAGE, "image", self.image_token_id), (KIND_VIDEO, "video", self.video_token_id))
+        for kind, name, token in kinds:
             for k, tokens in enumerate(_runs(ids == token)):
                 rows, grid, second = sources[name].take(fail, k, tokens, self.unit, self.merge)
                 found.grids[kind].append(grid)

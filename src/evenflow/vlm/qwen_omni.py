@@ -233,7 +233,7 @@ class QwenOmniAdapter(QwenVLAdapter):
         finally:
             handle.remove()
         if len(calls) != 1:
-            raise RuntimeError(f"the thinker's forward embedded input_ids {len(calls)} times (expected once); the audio "
-                               "merge writes the audio rows into that embedding -- this transformers version changed "
-                               "the thinker's forward, so the adapter cannot merge audio into it")
+            raise RuntimeError(f"the thinker's forward embedded input_ids {len(calls)} times (expected once); the "
+                               "audio merge writes the audio rows into that embedding -- this transformers version "
+                               "changed the thinker's forward, so the adapter cannot merge audio into it")
         return out

@@ -161,8 +161,8 @@ class BalancedVLM:
                              f"{STATE_VERSION}")
         saved = None if state["time_cost"] is None else cost_from_state(state["time_cost"])
         if saved != self.config.time_cost or state["plan_key"] != self.orchestrator.plan_key:
-            raise ValueError("this BalancedVLM does not plan as the saved one: its costs "
-                             f"({self.config.time_cost.describe() if self.config.time_cost else 'default'}) or settings "
+            mine = self.config.time_cost.describe() if self.config.time_cost else "default"
+            raise ValueError(f"this BalancedVLM does not plan as the saved one: its costs ({mine}) or settings "
                              f"differ from the saved ({saved.describe() if saved else 'default'}). Build it with "
                              "VLMConfig(time_cost=cost_from_state(state['time_cost'])) and the saved settings, on "
                              "every rank: a resumed run replans nothing and never refits")

@@ -1,4 +1,5 @@
-"""Moved to :mod:`evenflow.balance.phases.plan`: this old path forwards every name there, with a ``DeprecationWarning``."""
+"""Moved to :mod:`evenflow.balance.phases.plan`:
+this old path forwards every name there, with a ``DeprecationWarning``."""
 
 from ...deprecation import moved
 

@@ -121,8 +121,9 @@ def _encoder_outputs(plan: StepPlan, rank: int, llm_ex: np.ndarray) -> tuple[dic
         llm_items[p] = ids
         media_index[p] = _ranges(start[at:at + ids.size], it.out_rows[ids])
         at += ids.size
-        per_example = np.bincount(np.searchsorted(llm_ex, it.example[ids]), weights=it.out_rows[ids],
-                                  minlength=llm_ex.size).astype(np.int64) if ids.size else np.zeros(llm_ex.size, np.int64)
+        per_example = (np.bincount(np.searchsorted(llm_ex, it.example[ids]), weights=it.out_rows[ids],
+                                   minlength=llm_ex.size).astype(np.int64) if ids.size
+                       else np.zeros(llm_ex.size, np.int64))
         media_counts[p] = per_example.tolist()
     return media_index, media_counts, out_recv, llm_items
 

@@ -133,7 +133,8 @@ def _greedy_bounds(sorted_plen: np.ndarray, sorted_extra: Mapping[str, np.ndarra
     budget, most = grouping.token_budget, grouping.max_samples or max(top, 1)
     if grouping.extra_budgets:
         return _greedy_bounds_extra(sorted_plen, sorted_extra, grouping)
-    starts = np.flatnonzero(np.concatenate(([True], sorted_plen[1:] != sorted_plen[:-1]))) if top else np.zeros(0, np.int64)
+    starts = (np.flatnonzero(np.concatenate(([True], sorted_plen[1:] != sorted_plen[:-1]))) if top
+              else np.zeros(0, np.int64))
     bounds = [top]
     for a, length in zip(starts[::-1].tolist(), sorted_plen[starts[::-1]].tolist()):
         if top <= a:  # the last group reached below this run: its top is in a lower run
