@@ -41,10 +41,9 @@ QWEN2_VL_TEMPLATE = (
 
 
 class FramesVideoProcessor:
-    """Qwen2-VL's video rows without torchvision (its video processor imports it): each frame through the image
-    processor, which fills both temporal slots of a patch row with the one frame, then frames ``2k`` and
-    ``2k + 1`` into slots 0 and 1 -- the layout ``Qwen2VLVideoProcessor`` gives (as ``evenflow.data.video``
-    builds its videos). Frames are resized alike only when they are the same size, as a video's are."""
+    """Qwen2-VL's video rows without torchvision (its video processor imports it): the frames through the image
+    processor, paired into temporal patches by ``evenflow.data.video.video_rows`` -- the layout
+    ``Qwen2VLVideoProcessor`` gives. An odd last frame is repeated to fill its patch, as that processor does."""
 
     merge_size, temporal_patch_size = 2, 2
 
@@ -59,17 +58,16 @@ class FramesVideoProcessor:
         from transformers import BatchFeature
         from transformers.video_utils import make_batched_videos
 
+        from evenflow.data.video import video_rows
+
         rows, grids = [], []
         for video in make_batched_videos(videos):
-            frames = list(video) + ([video[-1]] if len(video) % 2 else [])  # repeat the last to fill a patch
-            stills = [self.images(images=f, return_tensors="np") for f in frames]
-            per = [np.asarray(s["pixel_values"]).reshape(s["pixel_values"].shape[0], 3, 2, -1) for s in stills]
-            for k in range(0, len(frames), 2):
-                rows.append(np.stack([per[k][:, :, 0], per[k + 1][:, :, 1]], axis=2).reshape(per[k].shape[0], -1))
-            _, h, w = np.asarray(stills[0]["image_grid_thw"]).reshape(3)
-            grids.append([len(frames) // 2, int(h), int(w)])
-        return BatchFeature({"pixel_values_videos": np.concatenate(rows).astype(np.float32),
-                             "video_grid_thw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
+            frames = list(video) + ([video[-1]] if len(video) % 2 else [])
+            r, grid = video_rows(self.images, frames)
+            rows.append(r)
+            grids.append(grid)
+        return BatchFeature({"pixel_values_videos": np.concatenate(rows), "video_grid_thw": np.concatenate(grids)},
+                            tensor_type=return_tensors)
 
 
 class LocalQwen2VLProcessor(Qwen2VLProcessor):

@@ -26,7 +26,7 @@ import torch
 from .chat import IGNORE_INDEX
 from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, augmented_image, image_processor
 
-__all__ = ["ProcessedVideo", "pan_video", "VideoChatDataset", "TEMPORAL_PATCH"]
+__all__ = ["ProcessedVideo", "pan_video", "video_rows", "VideoChatDataset", "TEMPORAL_PATCH"]
 
 TEMPORAL_PATCH = 2
 """Frames per temporal patch (Qwen2-VL / Qwen2.5-VL ``temporal_patch_size``)."""
@@ -57,24 +57,30 @@ def pan_video(path: str | os.PathLike[str], *, frames: int, seed: int, index: in
     image = augmented_image(path, seed=seed, index=index, scale_range=scale_range)
     width = max(28, round(image.width * (1 - pan)))
     processor = image_processor(min_pixels, max_pixels, os.getpid())
-    rows, grid = [], None
-    for f in range(frames):
-        left = round((image.width - width) * f / max(frames - 1, 1))
-        out = processor(images=image.crop((left, 0, left + width, image.height)), return_tensors="np")
+    lefts = [round((image.width - width) * f / max(frames - 1, 1)) for f in range(frames)]
+    rows, grid = video_rows(processor, [image.crop((left, 0, left + width, image.height)) for left in lefts])
+    num_patches = int(grid.prod())
+    return ProcessedVideo(pixel_values_videos=rows, grid=grid, num_patches=num_patches,
+                          num_tokens=num_patches // processor.merge_size ** 2)
+
+
+def video_rows(processor: Any, frames: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(pixel_values_videos, video_grid_thw [1, 3])`` of ``frames`` (an even count, all resized alike) through a
+    Qwen2-VL image processor: each processed still holds its frame in both temporal slots
+    (``[rows, 3, 2, 14 * 14]``); frame ``2k`` keeps slot 0 and frame ``2k + 1`` gives slot 1."""
+    stills, grid = [], None
+    for frame in frames:
+        out = processor(images=frame, return_tensors="np")
         g = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(3)
         if grid is not None and not np.array_equal(g, grid):
             raise AssertionError(f"frames of one video resized differently: {grid} then {g}")
         grid = g
-        rows.append(np.asarray(out["pixel_values"], dtype=np.float32))
-    # Each processed still holds its frame in both temporal slots: [rows, 3, 2, 14 * 14].
-    per_frame = [r.reshape(r.shape[0], 3, TEMPORAL_PATCH, -1) for r in rows]
-    patches = [np.stack([per_frame[k][:, :, 0], per_frame[k + 1][:, :, 1]], axis=2).reshape(rows[0].shape)
-               for k in range(0, frames, TEMPORAL_PATCH)]
-    t = frames // TEMPORAL_PATCH
-    grid = np.array([[t, grid[1], grid[2]]], dtype=np.int64)
-    num_patches = int(grid.prod())
-    return ProcessedVideo(pixel_values_videos=np.ascontiguousarray(np.concatenate(patches)), grid=grid,
-                          num_patches=num_patches, num_tokens=num_patches // processor.merge_size ** 2)
+        stills.append(np.asarray(out["pixel_values"], dtype=np.float32))
+    per_frame = [r.reshape(r.shape[0], 3, TEMPORAL_PATCH, -1) for r in stills]
+    patches = [np.stack([per_frame[k][:, :, 0], per_frame[k + 1][:, :, 1]], axis=2).reshape(stills[0].shape)
+               for k in range(0, len(frames), TEMPORAL_PATCH)]
+    grid = np.array([[len(frames) // TEMPORAL_PATCH, grid[1], grid[2]]], dtype=np.int64)
+    return np.ascontiguousarray(np.concatenate(patches)), grid
 
 
 class VideoChatDataset(torch.utils.data.Dataset):

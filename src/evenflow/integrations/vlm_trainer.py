@@ -201,8 +201,13 @@ class VLMBalancing:
             return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                     metric_key_prefix=metric_key_prefix)
         budget = self.eval_token_budget if self.eval_token_budget is not None else self.token_budget
+        names = inspect.signature(unwrap_model(self.model).forward).parameters  # the keys the stock forward takes
+
+        def stock_mean_loss(model, batch) -> torch.Tensor:  # its own mean loss (labels=) on a padded batch
+            return model(**{k: v for k, v in batch.items() if k in names}, use_cache=False).loss
+
         return self._evenflow_evaluate(eval_dataset, metric_key_prefix, budget, {"cost": "padded", "collate_fn": None},
-                                       _stock_mean_loss)
+                                       stock_mean_loss)
 
     def _vlm_loss(self, model, inputs, return_outputs: bool):
         if STEP_INFO_KEY not in inputs:
@@ -223,12 +228,6 @@ class VLMBalancing:
             out[f"evenflow/imbalance_{phase}"] = after / steps
             out[f"evenflow/imbalance_{phase}_before"] = before / steps
         return out
-
-
-def _stock_mean_loss(model, batch) -> torch.Tensor:
-    """The stock forward's own mean loss (``labels=``) on a padded batch: the keys its signature takes."""
-    names = inspect.signature(unwrap_model(model).forward).parameters
-    return model(**{k: v for k, v in batch.items() if k in names}, use_cache=False).loss
 
 
 class BalancedVLMTrainer(VLMBalancing, DynamicBatchTrainer):
